@@ -1,0 +1,17 @@
+"""Dataset builders: each returns DataSplits (train, val, test, num_classes, input_shape)."""
+
+from lbt.data.base import DataSplits, InMemoryDataset, split_validation
+from lbt.data.cifar import build_cifar10
+from lbt.data.imagefolder import build_imagefolder
+from lbt.data.mnist1d import build_mnist1d
+from lbt.data.synthetic import build_synthetic
+
+__all__ = [
+    "DataSplits",
+    "InMemoryDataset",
+    "split_validation",
+    "build_cifar10",
+    "build_imagefolder",
+    "build_mnist1d",
+    "build_synthetic",
+]

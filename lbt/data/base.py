@@ -1,0 +1,93 @@
+"""What every dataset builder returns, and the validation split shared by all."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import Dataset, Subset
+
+from lbt.errors import ConfigError
+
+
+class InMemoryDataset(Dataset):
+    """Inputs and labels held as two tensors, so a batch is one index_select.
+
+    The trainer detects this type and gathers batches by index (no DataLoader,
+    no per-sample Python work).
+    """
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        if len(x) != len(y):
+            raise ValueError(f"inputs ({len(x)}) and labels ({len(y)}) differ in length")
+        self.x = x
+        self.y = y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, index: int):
+        return self.x[index], self.y[index]
+
+
+@dataclass
+class DataSplits:
+    """Datasets of one run.
+
+    `val` is what the per-epoch evaluation measures. When a validation split is
+    carved from the training set, `test` holds the untouched test split, which
+    is evaluated once at the end; otherwise `test` is None and `val` is the test
+    split.
+    """
+
+    train: Dataset
+    val: Dataset
+    test: Dataset | None
+    num_classes: int
+    input_shape: tuple[int, ...]
+
+
+def split_validation(
+    train: Dataset,
+    test: Dataset | None,
+    val_fraction: float,
+    val_seed: int,
+    num_classes: int,
+    input_shape: Sequence[int],
+    eval_train: Dataset | None = None,
+) -> DataSplits:
+    """Hold out a fixed random `val_fraction` of `train` as the validation split.
+
+    With val_fraction == 0 the test split is what the per-epoch evaluation
+    measures (val=test, test=None). Otherwise the held-out samples depend only
+    on `val_seed` and the training set size, so every run and every worker
+    carves the same split. `eval_train`, when given, holds the same samples as
+    `train` with evaluation transforms: validation samples are taken from it so
+    they are not augmented.
+    """
+    input_shape = tuple(int(s) for s in input_shape)
+    if not 0.0 <= val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction={val_fraction}: must be in [0, 1) (0 = validate on the test split)")
+    if val_fraction == 0.0:
+        return DataSplits(train, val=test, test=None, num_classes=num_classes, input_shape=input_shape)
+
+    n = len(train)
+    n_val = round(n * val_fraction)
+    if not 0 < n_val < n:
+        raise ConfigError(
+            f"data.val_fraction={val_fraction} of {n} training samples leaves {n_val} for validation "
+            f"and {n - n_val} for training: both must be non-empty"
+        )
+    # A private generator: the split must not depend on, or disturb, the global RNG.
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(val_seed))
+    val_idx, train_idx = order[:n_val], order[n_val:]
+    val_source = train if eval_train is None else eval_train
+    if isinstance(train, InMemoryDataset) and isinstance(val_source, InMemoryDataset):
+        # Index the tensors so the trainer keeps its fast batch gathering.
+        new_train = InMemoryDataset(train.x[train_idx], train.y[train_idx])
+        val = InMemoryDataset(val_source.x[val_idx], val_source.y[val_idx])
+    else:
+        new_train = Subset(train, train_idx.tolist())
+        val = Subset(val_source, val_idx.tolist())
+    return DataSplits(new_train, val=val, test=test, num_classes=num_classes, input_shape=input_shape)

@@ -1,0 +1,89 @@
+"""The data of each optimizer step, split into the batches of the virtual workers.
+
+The order is defined by the global batch (see `lbt.dist.shard_indices`), so
+every (world_size, procs) layout with the same global batch trains on the same
+samples at the same step.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lbt.data.base import InMemoryDataset
+from lbt.dist import shard_indices
+
+WorkerBatches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class StepBatches:
+    """Yields, per step, one (inputs, labels) batch for each local virtual worker.
+
+    In-memory datasets are gathered by index from the tensors (one index_select
+    per step, no per-sample Python work); other datasets go through a DataLoader
+    whose batch sampler yields the process's indices of each step.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        world_size: int,
+        per_worker_batch: int,
+        first_worker: int,
+        workers_per_proc: int,
+        seed: int,
+        device: torch.device,
+        num_workers: int = 0,
+    ):
+        self.dataset = dataset
+        self.world_size = world_size
+        self.per_worker_batch = per_worker_batch
+        self.local_workers = slice(first_worker, first_worker + workers_per_proc)
+        self.workers_per_proc = workers_per_proc
+        self.seed = seed
+        self.device = device
+        self.num_workers = num_workers
+        self.steps_per_epoch = (len(dataset) // world_size) // per_worker_batch
+
+    def step_indices(self, epoch: int) -> torch.Tensor:
+        """(steps, workers_per_proc * per_worker_batch): this process's indices per step."""
+        b = self.per_worker_batch
+        shards = shard_indices(len(self.dataset), self.world_size, self.seed, epoch)[self.local_workers]
+        steps = shards[:, : self.steps_per_epoch * b].reshape(self.workers_per_proc, self.steps_per_epoch, b)
+        # worker-major within a step: chunk i of a step's batch is local worker i's batch
+        return steps.permute(1, 0, 2).reshape(self.steps_per_epoch, self.workers_per_proc * b)
+
+    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[WorkerBatches]:
+        indices = self.step_indices(epoch)[start_step:]
+        if isinstance(self.dataset, InMemoryDataset):
+            x, y = self.dataset.x, self.dataset.y
+            for step in indices:
+                yield self._split(x[step], y[step])
+        else:
+            loader = DataLoader(
+                self.dataset,
+                batch_sampler=indices.tolist(),
+                num_workers=self.num_workers,
+                pin_memory=self.device.type == "cuda",
+            )
+            for inputs, labels in loader:
+                yield self._split(inputs, labels)
+
+    def _split(self, inputs: torch.Tensor, labels: torch.Tensor) -> WorkerBatches:
+        inputs = inputs.to(self.device, non_blocking=True)
+        labels = labels.to(self.device, non_blocking=True)
+        return list(zip(inputs.split(self.per_worker_batch), labels.split(self.per_worker_batch)))
+
+
+def eval_batches(dataset: Dataset, rank: int, procs: int, batch: int, device: torch.device):
+    """This process's share (every procs-th sample) of an evaluation set, in batches."""
+    if isinstance(dataset, InMemoryDataset):
+        x, y = dataset.x[rank::procs], dataset.y[rank::procs]
+        for start in range(0, len(y), batch):
+            yield x[start : start + batch].to(device), y[start : start + batch].to(device)
+        return
+    subset = torch.utils.data.Subset(dataset, range(rank, len(dataset), procs))
+    for inputs, labels in DataLoader(subset, batch_size=batch):
+        yield inputs.to(device), labels.to(device)

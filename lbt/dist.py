@@ -1,0 +1,242 @@
+"""Processes, process groups and virtual workers.
+
+lbt never moves bytes itself: processes are started by `torch.multiprocessing`
+(or by torchrun), they meet through a `TCPStore` on 127.0.0.1, and gradients
+travel through `torch.distributed` + `DistributedDataParallel`.
+
+A run models `world_size` W workers on `procs` P processes. Process `rank` owns
+the virtual workers `rank*k ... rank*k + k - 1` (k = W/P) and runs their forward
+passes one after another; see `Trainer.train_step` for how their gradients are
+combined.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from multiprocessing.connection import wait as wait_for_sentinels
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int  # this process among the P processes
+    procs: int  # P
+    local_rank: int
+    world_size: int  # W, the workers the run models
+    device: torch.device
+
+    @property
+    def workers_per_proc(self) -> int:
+        return self.world_size // self.procs
+
+    @property
+    def first_worker(self) -> int:
+        return self.rank * self.workers_per_proc
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.procs > 1
+
+
+def torchrun_env() -> dict | None:
+    """RANK/WORLD_SIZE/LOCAL_RANK when started by torchrun (or any env:// launcher)."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    return {
+        "rank": int(os.environ["RANK"]),
+        "procs": int(os.environ["WORLD_SIZE"]),
+        "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+        "local_procs": int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])),
+    }
+
+
+def default_procs() -> int:
+    env = torchrun_env()
+    if env is not None:
+        return env["procs"]
+    return max(1, torch.cuda.device_count())
+
+
+def pick_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        from lbt.errors import ConfigError
+
+        raise ConfigError("trainer.device=cuda but no CUDA device is available")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def pick_backend(requested: str, device: torch.device) -> str:
+    if requested != "auto":
+        return requested
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_process_group(
+    backend: str, rank: int, procs: int, timeout_s: float, store_port: int | None
+) -> None:
+    """Join the job's process group: through the launcher's TCPStore, or env:// under torchrun."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store_port is None:
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=procs, timeout=timeout)
+    else:
+        store = dist.TCPStore(HOST, store_port, procs, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=procs, timeout=timeout)
+
+
+class WorkerDied(RuntimeError):
+    """A worker process of a locally launched job exited abnormally."""
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def launch_local(fn: Callable, args: tuple, procs: int) -> None:
+    """Start `procs` processes running fn(rank, store_port, *args) and watch them.
+
+    The parent owns the rendezvous store (port chosen by the OS, so no port can
+    be "in use"). If any process fails, the rest are stopped within seconds and
+    WorkerDied names the rank that failed first: a rank killed by a signal is
+    the cause, peers that then lost it only report the consequence.
+    """
+    store = dist.TCPStore(HOST, 0, procs + 1, is_master=True, wait_for_workers=False)
+    context = mp.start_processes(fn, args=(store.port, *args), nprocs=procs, join=False, start_method="spawn")
+    processes = context.processes
+    pending = {p.sentinel: rank for rank, p in enumerate(processes)}
+    failed: list[int] = []
+    while pending and not failed:
+        for sentinel in wait_for_sentinels(list(pending)):
+            rank = pending.pop(sentinel)
+            processes[rank].join()
+            if processes[rank].exitcode != 0:
+                failed.append(rank)
+    if not failed:
+        return
+    # Give the peers a moment to notice on their own, so the report can tell the
+    # rank that died from the ranks that merely lost their peer.
+    deadline = time.monotonic() + 3.0
+    for p in processes:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    codes = {rank: p.exitcode for rank, p in enumerate(processes)}
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    for p in processes:
+        p.join(timeout=5.0)
+        if p.is_alive():
+            p.kill()
+    killed = [rank for rank, code in codes.items() if code is not None and code < 0]
+    cause = killed[0] if killed else failed[0]
+    if codes[cause] == 2:
+        # A config error inside the worker: it already printed its one line.
+        raise WorkerDied("")
+    raise WorkerDied(f"worker rank {cause} failed ({_exit_reason(codes[cause])}); stopped the other {procs - 1} worker(s)")
+
+
+def shard_indices(num_samples: int, world_size: int, seed: int, epoch: int) -> torch.Tensor:
+    """Sample order of one epoch, as a (world_size, samples_per_worker) table.
+
+    Row v is exactly what `DistributedSampler(num_replicas=W, rank=v,
+    shuffle=True, seed=seed, drop_last=True)` yields (a test pins this), built
+    once for all workers. Because worker v holds perm[v::W], the b-sample slices
+    of step s over all workers cover perm[s*B:(s+1)*B]: the data of a step
+    depends on the global batch B only, not on how it is split into workers.
+    """
+    generator = torch.Generator()
+    generator.manual_seed(seed + epoch)
+    perm = torch.randperm(num_samples, generator=generator)
+    per_worker = num_samples // world_size
+    return perm[: per_worker * world_size].view(per_worker, world_size).t()
+
+
+def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    if ctx.distributed:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def average_buffers(model: torch.nn.Module, ctx: DistContext) -> None:
+    """Average floating-point buffers (BatchNorm running stats) over processes.
+
+    BN's running-stat update is linear in the batch statistics, so the average
+    of the workers' running stats equals the running stats of the averaged
+    batch statistics: the same number whether workers are real or simulated.
+    """
+    if not ctx.distributed:
+        return
+    for buffer in model.buffers():
+        if buffer.is_floating_point():
+            dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+            buffer.div_(ctx.procs)
+
+
+class BufferMean:
+    """Per-step mean of the buffers over the virtual workers of one process.
+
+    Simulated workers share one module, so without care worker 2's BN update
+    would compound worker 1's. Each worker starts from the step's buffers and
+    the process keeps the mean of their results, matching real workers whose
+    running stats are averaged (see `average_buffers`).
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.buffers = [b for b in model.buffers() if b.is_floating_point()]
+        self.start: list[torch.Tensor] = []
+        self.total: list[torch.Tensor] = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self.buffers)
+
+    def begin_step(self) -> None:
+        self.start = [b.detach().clone() for b in self.buffers]
+        self.total = [torch.zeros_like(b) for b in self.buffers]
+
+    def after_worker(self, last: bool, workers: int) -> None:
+        for buffer, start, total in zip(self.buffers, self.start, self.total):
+            total.add_(buffer)
+            if last:
+                buffer.copy_(total.div_(workers))
+            else:
+                buffer.copy_(start)
+
+
+@contextmanager
+def process_group(backend: str, rank: int, procs: int, timeout_s: float, store_port: int | None):
+    if procs == 1:
+        yield
+        return
+    init_process_group(backend, rank, procs, timeout_s, store_port)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def flush_std() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()

@@ -1,0 +1,8 @@
+"""Models: each takes `input_shape` and `num_classes` keywords plus its own hyper-parameters."""
+
+from lbt.models.cnn1d import CNN1d
+from lbt.models.mlp import MLP
+from lbt.models.resnet20 import BasicBlock, ResNet20
+from lbt.models.torchvision_models import torchvision_model
+
+__all__ = ["CNN1d", "MLP", "BasicBlock", "ResNet20", "torchvision_model"]

@@ -1,0 +1,15 @@
+"""Large-batch optimizers and the parameter filter they share with weight decay."""
+
+from lbt.optim.lamb import LAMB, lamb_trust_ratio
+from lbt.optim.lars import LARS, lars_trust_ratio
+from lbt.optim.param_groups import EXCLUDE_FROM_TRUST, is_excluded, param_groups
+
+__all__ = [
+    "EXCLUDE_FROM_TRUST",
+    "LAMB",
+    "LARS",
+    "is_excluded",
+    "lamb_trust_ratio",
+    "lars_trust_ratio",
+    "param_groups",
+]

@@ -1,0 +1,105 @@
+"""The plug-in interface: a technique is a small class with typed, no-op hooks.
+
+Where each hook fires in a run (see lbt/train.py and lbt/trainer.py):
+
+    model = build_model()
+    for t in techniques: model = t.on_model(model)               # BN swaps, zero-init, ...
+    optimizer = build_optimizer(model.parameters())
+    for t in techniques: optimizer = t.on_optimizer(optimizer, model)  # param groups, LARS
+    loss_fn = CrossEntropyLoss()
+    for t in techniques: loss_fn = t.on_loss(loss_fn)            # label smoothing
+    ddp = DistributedDataParallel(model)                          # when procs > 1
+    for t in techniques: t.on_ddp(ddp)                            # communication hooks
+    for epoch:
+        plan = base_plan
+        for t in techniques: plan = t.epoch_plan(epoch, plan)     # batch ramp
+        for step:
+            progress = Progress(samples_seen, global_batch, ...)
+            scale = prod(t.lr_scale(progress))                    # scaling rules
+            lr = base_lr * scale * prod(t.lr_factor(progress, scale))  # warmup, decay
+            for worker in local workers: forward, backward        # no_sync but the last
+            for t in techniques: t.after_backward(model, progress)  # clipping, measurements
+            optimizer.step()
+        for t in techniques: t.before_eval(model)                 # BN recalibration
+        evaluate()
+
+Techniques run in ascending `order` at every hook (a declared order, so a
+recipe's list order does not matter): model surgery before initialisation
+tweaks, group splitting before optimizers that read the groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+import torch
+from torch import nn
+
+from lbt.config import BatchPlan
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where the run is, in the units LR schedules use: samples seen."""
+
+    samples_seen: int
+    step: int
+    epoch: int
+    global_batch: int
+    samples_per_epoch: int  # training samples per epoch (the dataset size)
+    total_samples: int  # samples the whole run will see
+
+
+class Technique:
+    """Base class: every hook is a no-op; a technique overrides what it needs."""
+
+    order: ClassVar[int] = 50
+    name: ClassVar[str] = "technique"
+
+    def on_model(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def on_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
+        return optimizer
+
+    def on_loss(self, loss_fn: Callable) -> Callable:
+        return loss_fn
+
+    def on_ddp(self, ddp_model: nn.Module) -> None:
+        pass
+
+    def epoch_plan(self, epoch: int, plan: BatchPlan) -> BatchPlan:
+        return plan
+
+    def lr_scale(self, progress: Progress) -> float:
+        """Multiplier of the target LR (scaling rules)."""
+        return 1.0
+
+    def lr_factor(self, progress: Progress, scale: float) -> float:
+        """Multiplier shaping the LR over time (warmup, decay); `scale` is the product of lr_scale."""
+        return 1.0
+
+    def after_backward(self, model: nn.Module, progress: Progress) -> None:
+        """After the step's gradient is averaged over all workers, before optimizer.step()."""
+
+    def before_eval(self, model: nn.Module) -> None:
+        pass
+
+    def describe(self) -> str:
+        return self.name
+
+
+def sort_techniques(techniques: list[Technique]) -> list[Technique]:
+    return sorted(techniques, key=lambda t: t.order)
+
+
+def learning_rate(base_lr: float, techniques: list[Technique], progress: Progress) -> tuple[float, float]:
+    """base_lr x scaling x warmup x decay; returns (lr, scale)."""
+    scale = 1.0
+    for technique in techniques:
+        scale *= technique.lr_scale(progress)
+    lr = base_lr * scale
+    for technique in techniques:
+        lr *= technique.lr_factor(progress, scale)
+    return lr, scale

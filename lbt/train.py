@@ -1,0 +1,228 @@
+"""`lbt train`: the Hydra entry point and `run(cfg)`, callable without the CLI.
+
+    lbt train model=mlp dist.world_size=64 trainer.per_worker_batch=32
+    torchrun --nproc-per-node=2 -m lbt.train dist.world_size=8
+
+`run()` resolves the config once in the launching process and hands plain
+dicts to the workers, so every rank agrees on it and on the run folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from lbt import dist as lbt_dist
+from lbt.config import DistConfig, TrainerConfig, check_trainer, lr_is_sane, plan_batches, total_steps
+from lbt.data.batches import StepBatches
+from lbt.errors import ConfigError
+from lbt.lr import decay_factor
+from lbt.metrics.tensorboard import RunLogger
+from lbt.paths import conf_dir
+from lbt.trainer import Trainer
+
+ConfigStore.instance().store(group="dist", name="dist_schema", node=DistConfig)
+ConfigStore.instance().store(group="trainer", name="trainer_schema", node=TrainerConfig)
+
+
+def run(cfg: DictConfig | dict, run_dir: str | Path, recipe: str | None = None) -> dict:
+    """Train once as `cfg` says, writing TensorBoard events and result.json into run_dir."""
+    config = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+    config["recipe"] = recipe or config.get("recipe") or "custom"
+    run_dir = str(Path(run_dir).resolve())
+    env = lbt_dist.torchrun_env()
+    procs = _check_layout(config, env)
+    if env is not None:
+        # Only rank 0 has the summary; the other torchrun ranks return {}.
+        return _train_process(env["rank"], None, config, run_dir, procs, env["local_rank"], env["local_procs"])
+    if procs == 1:
+        return _train_process(0, None, config, run_dir, 1, 0, 1)
+    else:
+        # Build the data once here: generates caches before the workers start and
+        # reports a missing dataset as one line from one process.
+        _build_data(config)
+        lbt_dist.launch_local(_spawned_process, (config, run_dir, procs), procs)
+    return json.loads((Path(run_dir) / "result.json").read_text())
+
+
+def _check_layout(config: dict, env: dict | None) -> int:
+    """Validate what can be checked before any process starts; return procs."""
+    dist_cfg, trainer = config["dist"], config["trainer"]
+    check_trainer(trainer)
+    lr_is_sane(config["optim"].get("lr"))
+    if env is not None:
+        if dist_cfg.get("procs") not in (None, env["procs"]):
+            raise ConfigError(f"dist.procs={dist_cfg['procs']} but torchrun started {env['procs']} processes")
+        dist_cfg["procs"] = env["procs"]
+    procs = dist_cfg.get("procs") or lbt_dist.default_procs()
+    dist_cfg["procs"] = procs
+    dist_cfg["world_size"] = dist_cfg.get("world_size") or procs
+    plan_batches(dist_cfg["world_size"], procs, trainer.get("per_worker_batch"), trainer.get("global_batch"))
+    return procs
+
+
+def build(node: dict, **kwargs):
+    """hydra.utils.instantiate, letting a ConfigError from the target through as itself."""
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as error:
+        if isinstance(error.__cause__, ConfigError):
+            raise error.__cause__ from None
+        raise
+
+
+def _build_data(config: dict):
+    return build(config["data"])
+
+
+def _spawned_process(rank: int, store_port: int, config: dict, run_dir: str, procs: int) -> None:
+    """Body of a process started by lbt's local launcher: one line per failure, no traceback for user errors."""
+    try:
+        _train_process(rank, store_port, config, run_dir, procs, rank, procs)
+    except ConfigError as error:
+        if rank == 0:
+            print(f"lbt: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except torch.distributed.DistError as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(f"lbt: rank {rank} lost its peers: {first_line}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def _train_process(
+    rank: int, store_port: int | None, config: dict, run_dir: str, procs: int, local_rank: int, local_procs: int
+) -> dict:
+    dist_cfg, trainer_cfg = config["dist"], config["trainer"]
+    # Share the cores among the processes of this machine, so P=2 on 2 cores
+    # does not oversubscribe them.
+    torch.set_num_threads(trainer_cfg.get("threads") or max(1, (os.cpu_count() or 1) // local_procs))
+    device = lbt_dist.pick_device(trainer_cfg["device"], local_rank)
+    backend = lbt_dist.pick_backend(dist_cfg["backend"], device)
+    with lbt_dist.process_group(backend, rank, procs, dist_cfg["timeout_s"], store_port):
+        if store_port is None and procs > 1:
+            run_dir = _agree_on_run_dir(run_dir)
+        ctx = lbt_dist.DistContext(rank, procs, local_rank, dist_cfg["world_size"], device)
+        started = time.perf_counter()
+        data = _build_data(config)
+        plan = plan_batches(
+            ctx.world_size, procs, trainer_cfg["per_worker_batch"], trainer_cfg["global_batch"], len(data.train)
+        )
+        torch.manual_seed(trainer_cfg["seed"])  # same initial weights in every process and layout
+        model = build(config["model"], input_shape=tuple(data.input_shape), num_classes=data.num_classes)
+        optimizer = build(config["optim"])(model.parameters())
+        steps_per_epoch = plan.steps_per_epoch(len(data.train))
+        steps = total_steps(steps_per_epoch, trainer_cfg["epochs"], trainer_cfg["max_steps"])
+        base_lr, schedule = config["optim"]["lr"], config["schedule"]
+        total_samples = steps * plan.global_batch
+
+        def lr_at(samples_seen: int) -> float:
+            return base_lr * decay_factor(
+                samples_seen, total_samples, schedule["name"], final_factor=schedule.get("final_factor", 0.0)
+            )
+
+        if ctx.is_main:
+            print(OmegaConf.to_yaml(OmegaConf.create(config)), flush=True)
+            print(f"{plan.describe(len(data.train))} lr={base_lr:g} (base {base_lr:g}, {schedule['name']} decay) "
+                  f"run_dir={run_dir}", flush=True)
+        batches = StepBatches(
+            data.train, plan.world_size, plan.per_worker_batch, ctx.first_worker, ctx.workers_per_proc,
+            trainer_cfg["seed"], device,
+        )
+        logger = RunLogger(run_dir if ctx.is_main else None)
+        trainer = Trainer(
+            model, optimizer, lr_at, plan, ctx, batches, data.val, data.test, logger,
+            epochs=trainer_cfg["epochs"], total_steps=steps, log_every=trainer_cfg["log_every"],
+            progress=trainer_cfg["progress"],
+        )
+        result = trainer.fit()
+        result.wall_seconds = time.perf_counter() - started
+        if ctx.is_main:
+            summary = _summary(config, plan, steps_per_epoch, base_lr, result)
+            logger.hparams(
+                {"world_size": plan.world_size, "per_worker_batch": plan.per_worker_batch,
+                 "global_batch": plan.global_batch, "recipe": config["recipe"], "lr": base_lr,
+                 "seed": trainer_cfg["seed"]},
+                {"hparam/final_val_acc": result.final_val_acc, "hparam/best_val_acc": result.best_val_acc},
+            )
+            _save_atomic(model.state_dict(), Path(run_dir) / "final_model.pt")
+            _write_json_atomic(Path(run_dir) / "result.json", summary)
+            state = "DIVERGED" if result.diverged else f"val_acc={result.final_val_acc:.4f}"
+            test = f" test_acc={result.test_acc:.4f}" if result.test_acc is not None else ""
+            print(f"done: {state}{test} steps={result.steps} samples/s={result.samples_per_sec:,.0f} "
+                  f"wall={result.wall_seconds:.1f}s -> {run_dir}/result.json", flush=True)
+        logger.close()
+        return summary if ctx.is_main else {}
+
+
+def _agree_on_run_dir(run_dir: str) -> str:
+    """Under torchrun every rank ran Hydra; rank 0's run folder is the one."""
+    holder = [run_dir]
+    torch.distributed.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def _summary(config: dict, plan, steps_per_epoch: int, base_lr: float, result) -> dict:
+    return {
+        "recipe": config["recipe"],
+        "world_size": plan.world_size,
+        "procs": plan.procs,
+        "per_worker_batch": plan.per_worker_batch,
+        "global_batch": plan.global_batch,
+        "steps_per_epoch": steps_per_epoch,
+        "base_lr": base_lr,
+        "seed": config["trainer"]["seed"],
+        **{k: v for k, v in vars(result).items()},
+        "config": config,
+    }
+
+
+def _save_atomic(state: dict, path: Path) -> None:
+    tmp = path.with_suffix(".pt.tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def _write_json_atomic(path: Path, payload: dict) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=2, allow_nan=True))
+    os.replace(tmp, path)
+
+
+@hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")
+def hydra_main(cfg: DictConfig) -> None:
+    hydra_cfg = HydraConfig.get()
+    output_dir = hydra_cfg.runtime.output_dir
+    # In a sweep, one failing job is recorded and the sweep goes on.
+    sweeping = hydra_cfg.mode == RunMode.MULTIRUN
+    try:
+        run(cfg, output_dir, recipe=hydra_cfg.runtime.choices.get("recipe"))
+    except (ConfigError, lbt_dist.WorkerDied) as error:
+        code = 2 if isinstance(error, ConfigError) or not str(error) else 1
+        if str(error):
+            print(f"lbt: error: {error}", file=sys.stderr, flush=True)
+        if not sweeping:
+            sys.exit(code)
+        _write_json_atomic(Path(output_dir) / "result.json", {"error": str(error) or "config error in a worker"})
+
+
+def main() -> None:
+    """`python -m lbt.train` / torchrun entry: same as `lbt train`."""
+    from lbt.cli import train_command
+
+    train_command(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Shared helpers: compose lbt's config like the CLI does and run it in-process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from lbt.paths import conf_dir
+from lbt.train import run
+
+# Tiny runs on the 2-core CI machine: quiet, CPU.
+FAST = ["data=synthetic", "trainer.progress=false", "trainer.device=cpu"]
+
+
+def compose_config(overrides: list[str]):
+    with initialize_config_dir(str(conf_dir()), version_base="1.3", job_name="test"):
+        return compose("config", overrides=overrides)
+
+
+def train(run_dir: Path, overrides: list[str]) -> dict:
+    """One run through `lbt.train.run`, as `lbt train OVERRIDES` would do it."""
+    return run(compose_config(FAST + overrides), run_dir)
+
+
+def final_params(run_dir: Path) -> torch.Tensor:
+    state = torch.load(Path(run_dir) / "final_model.pt", weights_only=True)
+    return torch.cat([v.flatten().double() for k, v in sorted(state.items()) if v.is_floating_point()])
+
+
+def relative_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / a.norm()).item()
+
+
+def lbt_cli(args: list[str], cwd: Path, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+    """Run the installed `lbt` command the way a user does."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "lbt.cli", *args], cwd=cwd, env=env, capture_output=True, text=True,
+        timeout=timeout, **kwargs,
+    )
+
+
+@pytest.fixture
+def data_dir(tmp_path_factory, monkeypatch):
+    """Keep MNIST-1D caches of tests out of the user's cache."""
+    path = tmp_path_factory.getbasetemp() / "lbt-data"
+    monkeypatch.setenv("LBT_DATA_DIR", str(path))
+    return path

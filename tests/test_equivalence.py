@@ -1,0 +1,46 @@
+"""Exact simulation (DESIGN "Exact simulation of W workers on P processes").
+
+After 20 steps at global batch 64:
+- BN-free mlp: W=4 on 4 real processes, W=4 simulated on 1 process, and W=1
+  with per_worker_batch 64 give the same parameters;
+- cnn1d with BatchNorm: real and simulated W=4 agree, and differ from W=1,
+  because each worker normalises over its own 16 samples.
+"""
+
+import pytest
+
+from conftest import final_params, relative_diff, train
+
+STEPS = ["data.num_train=1280", "trainer.epochs=1", "optim.lr=0.05"]  # 1280 / 64 = 20 steps
+
+
+def layouts(model: str, tmp_path):
+    common = [f"model={model}", *STEPS]
+    real = train(tmp_path / "real", common + ["dist.world_size=4", "dist.procs=4", "trainer.global_batch=64"])
+    simulated = train(tmp_path / "sim", common + ["dist.world_size=4", "dist.procs=1", "trainer.global_batch=64"])
+    single = train(tmp_path / "single", common + ["dist.world_size=1", "trainer.per_worker_batch=64"])
+    for result in (real, simulated, single):
+        assert result["steps"] == 20 and result["global_batch"] == 64
+    assert real["procs"] == 4 and simulated["procs"] == 1
+    return [final_params(tmp_path / name) for name in ("real", "sim", "single")], (real, simulated, single)
+
+
+@pytest.mark.slow
+def test_bn_free_model_is_identical_across_layouts(tmp_path):
+    (real, simulated, single), results = layouts("mlp", tmp_path)
+    assert relative_diff(real, simulated) < 1e-5
+    assert relative_diff(real, single) < 1e-5
+    assert relative_diff(simulated, single) < 1e-5
+    # the runs really trained: parameters moved from their (shared) initial values
+    assert results[0]["final_train_loss"] == pytest.approx(results[2]["final_train_loss"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_batchnorm_model_real_equals_simulated_but_not_single_worker(tmp_path):
+    (real, simulated, single), results = layouts("cnn1d", tmp_path)
+    assert relative_diff(real, simulated) < 1e-5
+    # per-worker BN statistics over 16 samples are not those over 64 samples
+    assert relative_diff(real, single) > 1e-3
+    # evaluation uses the workers' averaged running stats: same in both layouts
+    assert results[0]["final_val_acc"] == pytest.approx(results[1]["final_val_acc"], abs=1e-9)
+    assert results[0]["final_val_loss"] == pytest.approx(results[1]["final_val_loss"], rel=1e-4)

@@ -1,0 +1,104 @@
+"""torchrun runs the same entry point unchanged, one node or two, and gives the
+same result as lbt's own local launcher; a dead worker ends the whole job."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FAST, final_params, lbt_cli, relative_diff
+
+RUN = FAST + ["model=mlp", "data.num_train=640", "trainer.epochs=2", "trainer.global_batch=64"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(args: list[str], cwd: Path, **kwargs) -> subprocess.Popen:
+    command = [sys.executable, "-m", "torch.distributed.run", "--local-addr=127.0.0.1", *args]
+    return subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+
+
+def read_result(run_dir: Path) -> dict:
+    import json
+
+    return json.loads((run_dir / "result.json").read_text())
+
+
+@pytest.mark.slow
+def test_torchrun_matches_local_launcher(tmp_path):
+    local = lbt_cli(["train", *RUN, "dist.world_size=2", "dist.procs=2", f"hydra.run.dir={tmp_path / 'local'}"], tmp_path)
+    assert local.returncode == 0, local.stderr
+    port = free_port()
+    job = torchrun(
+        ["--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+         "-m", "lbt.train", *RUN, f"hydra.run.dir={tmp_path / 'torchrun'}"],
+        tmp_path,
+    )
+    out, _ = job.communicate(timeout=180)
+    assert job.returncode == 0, out
+    a, b = read_result(tmp_path / "local"), read_result(tmp_path / "torchrun")
+    assert b["world_size"] == 2 and b["procs"] == 2  # W defaults to torchrun's world size
+    assert a["final_val_acc"] == b["final_val_acc"]
+    assert relative_diff(final_params(tmp_path / "local"), final_params(tmp_path / "torchrun")) < 1e-6
+    # only rank 0 wrote a run folder: no stray Hydra folders from rank 1
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.slow
+def test_two_torchrun_nodes_on_localhost(tmp_path):
+    port = free_port()
+    common = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+              "--rdzv-id=lbt-two-nodes"]
+    run_dir = tmp_path / "two_nodes"
+    nodes = [
+        torchrun([*common, f"--node-rank={rank}", "-m", "lbt.train", *RUN, "dist.world_size=4",
+                  f"hydra.run.dir={run_dir}"], tmp_path)
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=180)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    result = read_result(run_dir)
+    assert result["procs"] == 2 and result["world_size"] == 4 and result["global_batch"] == 64
+    assert result["steps"] == 2 * (640 // 64)
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _start_time(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+
+
+@pytest.mark.slow
+def test_dead_worker_stops_the_job_and_names_its_rank(tmp_path):
+    args = ["train", *FAST, "model=mlp", "data.num_train=4096", "trainer.epochs=10000",
+            "dist.world_size=2", "dist.procs=2", f"hydra.run.dir={tmp_path / 'run'}"]
+    job = subprocess.Popen([sys.executable, "-m", "lbt.cli", *args], cwd=tmp_path, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    # wait until training is under way (rank 0 prints a line per epoch)
+    line = ""
+    while "epoch 1/" not in line:
+        line = job.stdout.readline()
+        assert line or job.poll() is None, job.stderr.read()
+    workers = [p for p in _children(job.pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+    assert len(workers) == 2
+    rank1 = sorted(workers, key=_start_time)[1]
+    killed_at = time.monotonic()
+    os.kill(rank1, signal.SIGKILL)
+    _, err = job.communicate(timeout=60)
+    assert time.monotonic() - killed_at < 30
+    assert job.returncode != 0
+    assert "rank 1" in err and "SIGKILL" in err
+    assert "Traceback" not in err

@@ -1,0 +1,57 @@
+"""What a run writes: TensorBoard events readable by TensorBoard, and result.json."""
+
+import json
+import math
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import train
+
+
+def test_tensorboard_and_result_json(tmp_path):
+    result = train(tmp_path, ["model=mlp", "trainer.epochs=3", "dist.world_size=2", "trainer.per_worker_batch=32",
+                              "trainer.log_every=2"])
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for tag in ("train/loss", "train/lr", "train/global_batch", "val/loss", "val/acc", "perf/samples_per_sec"):
+        assert tag in tags and f"by_samples/{tag}" in tags
+    val_acc = events.Scalars("val/acc")
+    assert [e.step for e in val_acc] == [8, 16, 24]  # 512 samples / 64 per step = 8 steps per epoch
+    assert [e.step for e in events.Scalars("by_samples/val/acc")] == [512, 1024, 1536]
+    assert val_acc[-1].value == result["final_val_acc"]
+    assert all(e.value == 64 for e in events.Scalars("train/global_batch"))
+    # cosine decay from optim.lr (0.1) towards 0, logged before each step
+    lrs = [e.value for e in events.Scalars("train/lr")]
+    assert lrs[0] < 0.1 and lrs == sorted(lrs, reverse=True)
+    assert "_hparams_/session_start_info" in events.Tags()["tensors"] or events.summary_metadata
+
+    on_disk = json.loads((tmp_path / "result.json").read_text())
+    assert on_disk == json.loads(json.dumps(result))
+    for key in ("world_size", "procs", "per_worker_batch", "global_batch", "final_val_acc", "best_val_acc",
+                "final_val_loss", "final_train_loss", "steps", "samples_seen", "wall_seconds", "samples_per_sec",
+                "diverged", "config"):
+        assert key in on_disk
+    assert on_disk["global_batch"] == 64 and on_disk["steps"] == 24 and on_disk["samples_seen"] == 24 * 64
+    assert on_disk["diverged"] is False and math.isfinite(on_disk["final_train_loss"])
+    assert on_disk["best_val_acc"] >= on_disk["final_val_acc"] > 0.2  # 10 classes: chance is 0.1
+    assert on_disk["config"]["dist"]["world_size"] == 2
+
+
+def test_same_seed_same_result(tmp_path):
+    a = train(tmp_path / "a", ["model=cnn1d", "trainer.epochs=1", "dist.world_size=2"])
+    b = train(tmp_path / "b", ["model=cnn1d", "trainer.epochs=1", "dist.world_size=2"])
+    assert a["final_train_loss"] == b["final_train_loss"] and a["final_val_acc"] == b["final_val_acc"]
+
+
+def test_diverged_run_is_recorded_and_exits_cleanly(tmp_path):
+    result = train(tmp_path, ["model=mlp", "optim.lr=1e6", "schedule=constant", "trainer.epochs=5",
+                              "trainer.log_every=1"])
+    assert result["diverged"] is True
+    assert result["steps"] < 5 * 8
+
+
+def test_validation_split_keeps_test_for_the_end(tmp_path):
+    result = train(tmp_path, ["model=mlp", "trainer.epochs=1", "data.val_fraction=0.25"])
+    assert result["test_acc"] is not None and result["test_loss"] is not None
+    assert result["samples_seen"] == (384 // 64) * 64  # 512 - 128 held out

@@ -1,0 +1,36 @@
+"""conf/ and recipes/ are found from a plain (non-editable) `pip install .` too."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_installed_wheel_finds_its_configs(tmp_path):
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target),
+         str(REPO)],
+        check=True, capture_output=True, text=True,
+    )
+    assert (target / "lbt" / "conf" / "config.yaml").is_file()
+    assert (target / "lbt" / "conf" / "recipe" / "baseline.yaml").is_file()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    out = subprocess.run(
+        [sys.executable, "-m", "lbt.cli", "train", "data=synthetic", "model=mlp", "trainer.epochs=1",
+         "trainer.progress=false", "recipe=baseline", "hydra.run.dir=run"],
+        cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert str(target / "lbt" / "conf") in subprocess.run(
+        [sys.executable, "-c", "import lbt.paths; print(lbt.paths.conf_dir())"],
+        cwd=elsewhere, env=env, capture_output=True, text=True,
+    ).stdout
+    assert (elsewhere / "run" / "result.json").is_file()

@@ -1,0 +1,43 @@
+"""The data of a step is defined by the global batch only."""
+
+import torch
+from torch.utils.data import DistributedSampler
+
+from lbt.data.base import InMemoryDataset
+from lbt.data.batches import StepBatches
+from lbt.dist import shard_indices
+
+
+def test_shards_are_exactly_distributed_sampler():
+    n, world_size, seed, epoch = 103, 4, 7, 3
+    table = shard_indices(n, world_size, seed, epoch)
+    for worker in range(world_size):
+        sampler = DistributedSampler(range(n), num_replicas=world_size, rank=worker, shuffle=True, seed=seed, drop_last=True)
+        sampler.set_epoch(epoch)
+        assert table[worker].tolist() == list(sampler)
+
+
+def step_sets(world_size: int, procs: int, global_batch: int, n: int = 1000) -> list[list[set]]:
+    data = InMemoryDataset(torch.arange(n).float().unsqueeze(1), torch.arange(n))
+    per_worker = global_batch // world_size
+    k = world_size // procs
+    sets_per_proc = []
+    for rank in range(procs):
+        batches = StepBatches(data, world_size, per_worker, rank * k, k, seed=0, device=torch.device("cpu"))
+        steps = []
+        for worker_batches in batches.epoch(0):
+            assert len(worker_batches) == k and all(len(y) == per_worker for _, y in worker_batches)
+            steps.append({int(i) for _, y in worker_batches for i in y})
+        sets_per_proc.append(steps)
+    # union over processes, per step
+    return [set().union(*(proc[s] for proc in sets_per_proc)) for s in range(len(sets_per_proc[0]))]
+
+
+def test_same_global_batch_same_samples_per_step_for_every_layout():
+    reference = step_sets(1, 1, 64)
+    assert len(reference) == 1000 // 64
+    for world_size, procs in [(4, 1), (4, 2), (4, 4), (16, 2), (64, 1)]:
+        assert step_sets(world_size, procs, 64) == reference
+    # every sample appears at most once per epoch
+    seen = [i for step in reference for i in step]
+    assert len(seen) == len(set(seen)) == (1000 // 64) * 64
