@@ -117,11 +117,6 @@ def plan_batches(
     return plan
 
 
-def total_steps(steps_per_epoch: int, epochs: int, max_steps: Optional[int]) -> int:
-    steps = steps_per_epoch * epochs
-    return steps if max_steps is None else min(steps, max_steps)
-
-
 def check_trainer(cfg: TrainerConfig | dict) -> None:
     """Range checks the schema's types cannot express."""
     get = cfg.get if isinstance(cfg, dict) else lambda k: getattr(cfg, k)

@@ -25,13 +25,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from lbt import dist as lbt_dist
-from lbt.config import DistConfig, TrainerConfig, check_trainer, lr_is_sane, plan_batches, total_steps
-from lbt.data.batches import StepBatches
+from lbt.config import BatchPlan, DistConfig, TrainerConfig, check_trainer, lr_is_sane, plan_batches
 from lbt.errors import ConfigError
-from lbt.lr import decay_factor
 from lbt.metrics.tensorboard import RunLogger
 from lbt.paths import conf_dir
-from lbt.trainer import Trainer
+from lbt.techniques import Progress, Technique, learning_rate, sort_techniques
+from lbt.trainer import LoopSettings, Trainer
 
 ConfigStore.instance().store(group="dist", name="dist_schema", node=DistConfig)
 ConfigStore.instance().store(group="trainer", name="trainer_schema", node=TrainerConfig)
@@ -119,37 +118,42 @@ def _train_process(
         plan = plan_batches(
             ctx.world_size, procs, trainer_cfg["per_worker_batch"], trainer_cfg["global_batch"], len(data.train)
         )
+        techniques = build_techniques(config)
         torch.manual_seed(trainer_cfg["seed"])  # same initial weights in every process and layout
         model = build(config["model"], input_shape=tuple(data.input_shape), num_classes=data.num_classes)
+        for technique in techniques:
+            model = technique.on_model(model)
+        model.to(device)
         optimizer = build(config["optim"])(model.parameters())
-        steps_per_epoch = plan.steps_per_epoch(len(data.train))
-        steps = total_steps(steps_per_epoch, trainer_cfg["epochs"], trainer_cfg["max_steps"])
-        base_lr, schedule = config["optim"]["lr"], config["schedule"]
-        total_samples = steps * plan.global_batch
+        for technique in techniques:
+            optimizer = technique.on_optimizer(optimizer, model)
+        loss_fn = torch.nn.CrossEntropyLoss()
+        for technique in techniques:
+            loss_fn = technique.on_loss(loss_fn)
 
-        def lr_at(samples_seen: int) -> float:
-            return base_lr * decay_factor(
-                samples_seen, total_samples, schedule["name"], final_factor=schedule.get("final_factor", 0.0)
-            )
-
+        epoch_plans = [plan] * trainer_cfg["epochs"]
+        for technique in techniques:
+            epoch_plans = [technique.epoch_plan(epoch, p) for epoch, p in enumerate(epoch_plans)]
+        for p in epoch_plans:
+            plan_batches(p.world_size, procs, p.per_worker_batch, None, len(data.train))
+        steps, samples = _budget(epoch_plans, len(data.train), trainer_cfg["max_steps"])
+        settings = LoopSettings(total_steps=steps, total_samples=samples, seed=trainer_cfg["seed"],
+                                log_every=trainer_cfg["log_every"], progress=trainer_cfg["progress"])
+        base_lr = config["optim"]["lr"]
         if ctx.is_main:
             print(OmegaConf.to_yaml(OmegaConf.create(config)), flush=True)
-            print(f"{plan.describe(len(data.train))} lr={base_lr:g} (base {base_lr:g}, {schedule['name']} decay) "
+            print(f"{plan.describe(len(data.train))} {describe_lr(base_lr, techniques, plan, len(data.train), samples)} "
                   f"run_dir={run_dir}", flush=True)
-        batches = StepBatches(
-            data.train, plan.world_size, plan.per_worker_batch, ctx.first_worker, ctx.workers_per_proc,
-            trainer_cfg["seed"], device,
-        )
         logger = RunLogger(run_dir if ctx.is_main else None)
         trainer = Trainer(
-            model, optimizer, lr_at, plan, ctx, batches, data.val, data.test, logger,
-            epochs=trainer_cfg["epochs"], total_steps=steps, log_every=trainer_cfg["log_every"],
-            progress=trainer_cfg["progress"],
+            model, optimizer, loss_fn, techniques, base_lr, epoch_plans, ctx,
+            (data.train, data.val, data.test), settings, logger,
         )
         result = trainer.fit()
         result.wall_seconds = time.perf_counter() - started
         if ctx.is_main:
-            summary = _summary(config, plan, steps_per_epoch, base_lr, result)
+            summary = _summary(config, plan, plan.steps_per_epoch(len(data.train)), base_lr, result)
+            summary["techniques"] = [t.describe() for t in techniques]
             logger.hparams(
                 {"world_size": plan.world_size, "per_worker_batch": plan.per_worker_batch,
                  "global_batch": plan.global_batch, "recipe": config["recipe"], "lr": base_lr,
@@ -164,6 +168,39 @@ def _train_process(
                   f"wall={result.wall_seconds:.1f}s -> {run_dir}/result.json", flush=True)
         logger.close()
         return summary if ctx.is_main else {}
+
+
+def build_techniques(config: dict) -> list[Technique]:
+    """The schedule's decay plus every technique the config lists, in their declared order."""
+    techniques = [build(config["schedule"])]
+    for name, node in (config.get("technique") or {}).items():
+        if "_target_" not in node:
+            # A recipe set options of a technique the command line then deselected.
+            print(f"lbt: note: technique.{name} is configured but not selected; ignored", file=sys.stderr)
+            continue
+        techniques.append(build(node))
+    return sort_techniques(techniques)
+
+
+def _budget(epoch_plans: list[BatchPlan], num_train: int, max_steps: int | None) -> tuple[int, int]:
+    """Total optimizer steps and samples of the run (the LR schedule spans them)."""
+    steps = samples = 0
+    for plan in epoch_plans:
+        epoch_steps = plan.steps_per_epoch(num_train)
+        if max_steps is not None:
+            epoch_steps = min(epoch_steps, max_steps - steps)
+        steps += epoch_steps
+        samples += epoch_steps * plan.global_batch
+    return steps, samples
+
+
+def describe_lr(base_lr: float, techniques: list[Technique], plan: BatchPlan, num_train: int, total: int) -> str:
+    """`lr=0.8 (base 0.1 x linear 8 | linear warmup over 5 epochs from base LR | cosine decay)`."""
+    start = Progress(0, 0, 0, plan.global_batch, plan.global_batch, num_train, total)
+    _, scale = learning_rate(base_lr, techniques, start)
+    factors = [f"base {base_lr:g}" + (f" x {scale:g}" if scale != 1 else "")]
+    factors += [t.describe() for t in techniques]
+    return f"lr={base_lr * scale:g} ({' | '.join(factors)})"
 
 
 def _agree_on_run_dir(run_dir: str) -> str:

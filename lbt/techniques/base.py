@@ -46,7 +46,8 @@ class Progress:
     samples_seen: int
     step: int
     epoch: int
-    global_batch: int
+    global_batch: int  # of the current step
+    base_global_batch: int  # as configured, before any batch ramp
     samples_per_epoch: int  # training samples per epoch (the dataset size)
     total_samples: int  # samples the whole run will see
 
