@@ -197,15 +197,17 @@ class BufferMean:
     """Per-step mean of the buffers over the virtual workers of one process.
 
     Simulated workers share one module, so without care worker 2's BN update
-    would compound worker 1's. Each worker starts from the step's buffers and
-    the process keeps the mean of their results, matching real workers whose
-    running stats are averaged (see `average_buffers`).
+    would compound worker 1's. Each worker starts from the step's buffers; the
+    process keeps the mean of their floating buffers (running stats) and the
+    counters as one worker left them (num_batches_tracked moves by one per
+    step, as on a real worker), matching real workers whose running stats are
+    averaged (see `average_buffers`).
     """
 
     def __init__(self, model: torch.nn.Module):
-        self.buffers = [b for b in model.buffers() if b.is_floating_point()]
+        self.buffers = list(model.buffers())
         self.start: list[torch.Tensor] = []
-        self.total: list[torch.Tensor] = []
+        self.total: list[torch.Tensor | None] = []
 
     @property
     def active(self) -> bool:
@@ -213,14 +215,15 @@ class BufferMean:
 
     def begin_step(self) -> None:
         self.start = [b.detach().clone() for b in self.buffers]
-        self.total = [torch.zeros_like(b) for b in self.buffers]
+        self.total = [torch.zeros_like(b) if b.is_floating_point() else None for b in self.buffers]
 
     def after_worker(self, last: bool, workers: int) -> None:
         for buffer, start, total in zip(self.buffers, self.start, self.total):
-            total.add_(buffer)
-            if last:
-                buffer.copy_(total.div_(workers))
-            else:
+            if total is not None:
+                total.add_(buffer)
+                if last:
+                    buffer.copy_(total.div_(workers))
+            if not last:
                 buffer.copy_(start)
 
 

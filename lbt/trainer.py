@@ -134,6 +134,8 @@ class Trainer:
     def train_epoch(self, epoch: int, plan: BatchPlan) -> float:
         """Train one epoch at `plan`'s batch sizes; return its mean loss over all workers."""
         self.model.train()
+        for technique in self.techniques:
+            technique.on_epoch_start(epoch, self.model)
         workers_per_proc = plan.world_size // self.ctx.procs
         batches = StepBatches(
             self.train_set, plan.world_size, plan.per_worker_batch, self.ctx.rank * workers_per_proc,

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import open_dict
 
 from lbt.paths import conf_dir
 from lbt.train import run
@@ -19,13 +20,19 @@ FAST = ["data=synthetic", "trainer.progress=false", "trainer.device=cpu"]
 
 
 def compose_config(overrides: list[str]):
+    """The composed config (without the hydra node) and the selected recipe's name."""
     with initialize_config_dir(str(conf_dir()), version_base="1.3", job_name="test"):
-        return compose("config", overrides=overrides)
+        cfg = compose("config", overrides=overrides, return_hydra_config=True)
+    recipe = cfg.hydra.runtime.choices.get("recipe")
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg, recipe
 
 
 def train(run_dir: Path, overrides: list[str]) -> dict:
     """One run through `lbt.train.run`, as `lbt train OVERRIDES` would do it."""
-    return run(compose_config(FAST + overrides), run_dir)
+    cfg, recipe = compose_config(FAST + overrides)
+    return run(cfg, run_dir, recipe=recipe)
 
 
 def final_params(run_dir: Path) -> torch.Tensor:

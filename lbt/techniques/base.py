@@ -10,9 +10,9 @@ Where each hook fires in a run (see lbt/train.py and lbt/trainer.py):
     for t in techniques: loss_fn = t.on_loss(loss_fn)            # label smoothing
     ddp = DistributedDataParallel(model)                          # when procs > 1
     for t in techniques: t.on_ddp(ddp)                            # communication hooks
+    for epoch: plan = base_plan; for t in techniques: plan = t.epoch_plan(epoch, plan)  # batch ramp
     for epoch:
-        plan = base_plan
-        for t in techniques: plan = t.epoch_plan(epoch, plan)     # batch ramp
+        for t in techniques: t.on_epoch_start(epoch, model)       # BN statistics reset
         for step:
             progress = Progress(samples_seen, global_batch, ...)
             scale = prod(t.lr_scale(progress))                    # scaling rules
@@ -71,7 +71,11 @@ class Technique:
         pass
 
     def epoch_plan(self, epoch: int, plan: BatchPlan) -> BatchPlan:
+        """The batch layout of `epoch`; called for every epoch before training starts."""
         return plan
+
+    def on_epoch_start(self, epoch: int, model: nn.Module) -> None:
+        pass
 
     def lr_scale(self, progress: Progress) -> float:
         """Multiplier of the target LR (scaling rules)."""

@@ -1,0 +1,41 @@
+"""Global gradient-norm clipping (Pascanu, Mikolov, Bengio 2013)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lbt.errors import ConfigError
+from lbt.techniques.base import Progress, Technique
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """The factor clipping multiplies every gradient by: min(1, max_norm / (||g|| + 1e-6)).
+
+    The 1e-6 is torch.nn.utils.clip_grad_norm_'s, so this predicts it exactly.
+    """
+    return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+class GradClip(Technique):
+    """Clip the global L2 norm of the gradient to `max_norm` before each optimizer step.
+
+    after_backward runs once the gradient is averaged over all workers (the
+    allreduce and the simulated workers' sum are done), so every worker clips
+    the same averaged gradient and the result does not depend on the layout.
+    """
+
+    name = "grad_clip"
+    order = 90  # late: measurement plug-ins at lower orders see the unclipped gradient
+
+    def __init__(self, max_norm: float = 1.0):
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+            raise ConfigError(f"technique.grad_clip.max_norm must be a positive number, got {max_norm!r}")
+        self.max_norm = float(max_norm)
+        self.last_norm: torch.Tensor | None = None  # before clipping; a tensor, so no device sync per step
+
+    def after_backward(self, model: nn.Module, progress: Progress) -> None:
+        self.last_norm = nn.utils.clip_grad_norm_(model.parameters(), self.max_norm)
+
+    def describe(self) -> str:
+        return f"gradient norm clipped to {self.max_norm:g}"

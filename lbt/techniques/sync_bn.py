@@ -1,0 +1,58 @@
+"""Synchronized BN: statistics over the whole global batch across processes (torch's nn.SyncBatchNorm).
+
+For when a worker's batch is too small for good BN statistics: cross-GPU BN
+(Peng et al. 2018, "MegDet"), distributed BN (Ying et al. 2018, "Image
+Classification at Supercomputer Scale").
+
+torch's SyncBatchNorm synchronizes across processes only, and only on CUDA
+(its forward rejects CPU tensors once a process group is up). lbt's simulated
+workers share one process and run one after another, so SyncBatchNorm does not
+pool their statistics: sync_bn gives the intended BN batch only with
+dist.world_size == dist.procs. The hooks cannot see world_size, hence no check.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lbt.errors import ConfigError
+from lbt.techniques.base import Technique
+
+
+def runs_on_cuda(device: str | torch.device, cuda_available: bool) -> bool:
+    """Whether trainer.device=`device` puts the model on CUDA (auto: CUDA when present), as lbt.dist.pick_device."""
+    kind = str(device).split(":")[0]
+    return cuda_available and kind in ("auto", "cuda")
+
+
+class SyncBN(Technique):
+    """Convert every BatchNorm to nn.SyncBatchNorm (CUDA only; a ConfigError on CPU).
+
+    `device` is trainer.device (the model is still on the CPU when on_model runs,
+    so its parameters do not tell where it will train).
+    """
+
+    name = "sync_bn"
+    order = 1  # model surgery, before initialisation tweaks (zero_init_residual)
+
+    def __init__(self, device: str = "auto"):
+        self.device = str(device)
+        self.converted: int | None = None
+
+    def on_model(self, model: nn.Module) -> nn.Module:
+        on_cuda = any(p.is_cuda for p in model.parameters()) or runs_on_cuda(self.device, torch.cuda.is_available())
+        if not on_cuda:
+            raise ConfigError(
+                "technique.sync_bn: torch's SyncBatchNorm runs only on CUDA and this run is on CPU, where each "
+                "worker's BN already sees its own per_worker_batch; drop sync_bn "
+                "(or use ghost_bn to set a smaller BN batch)"
+            )
+        # Uses the default process group at forward time; with one process it is plain BN.
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        self.converted = sum(isinstance(m, nn.SyncBatchNorm) for m in model.modules())
+        return model
+
+    def describe(self) -> str:
+        layers = "" if self.converted is None else f" ({self.converted} layers)"
+        return f"synchronized BN across processes{layers}"
