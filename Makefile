@@ -5,7 +5,7 @@ VENV ?= $(HOME)/.cache/lbt/venv-$(shell sha256sum pyproject.toml | cut -c1-12)
 BIN := $(VENV)/bin
 ARGS ?=
 
-.PHONY: setup run test clean-venv
+.PHONY: setup run train test clean-venv
 
 setup: $(VENV)/.deps-installed
 	@# Point the (shared) venv's lbt at this checkout; cheap, so done every time.
@@ -19,6 +19,9 @@ $(VENV)/.deps-installed: pyproject.toml
 	touch $@
 
 run: setup
+	$(BIN)/lbt study $(ARGS)
+
+train: setup
 	$(BIN)/lbt train $(ARGS)
 
 test: setup

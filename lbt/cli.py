@@ -9,11 +9,15 @@ from __future__ import annotations
 import os
 import sys
 
-USAGE = """usage: lbt COMMAND [hydra overrides]
+USAGE = """usage: lbt COMMAND [args]
 
 commands:
-  train   one training run, e.g. `lbt train model=mlp dist.world_size=16`
-          (add -m for a Hydra multirun sweep, --cfg job to print the config)
+  train [overrides]     one training run, e.g. `lbt train model=mlp dist.world_size=16`
+                        (-m for a Hydra multirun sweep, --cfg job to print the config)
+  study [overrides]     run a study (default: study=default, recipes x GPU counts on MNIST-1D)
+                        and write its report; e.g. `lbt study study=gpu_counts`
+  report DIR [--target ACC]
+                        turn a multirun folder into report.md, PNG curves, summary.json, tb_summary/
 """
 
 
@@ -55,6 +59,14 @@ def precheck(overrides: list[str]) -> None:
     from lbt.train import _check_layout
     from lbt import dist as lbt_dist
 
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception as error:
+        fail(one_line(error))
+    if any(override.is_sweep_override() for override in parsed):
+        return  # a sweep: every job validates its own config and records a failure
     try:
         with initialize_config_dir(str(conf_dir()), version_base="1.3", job_name="lbt_precheck"):
             cfg = compose("config", overrides=overrides)
@@ -86,6 +98,48 @@ def train_command(args: list[str]) -> None:
     hydra_main()
 
 
+def study_command(args: list[str]) -> None:
+    """A study is a Hydra multirun (conf/study/*.yaml) followed by its report."""
+    import time
+    from pathlib import Path
+
+    if not any(a.startswith("study=") for a in args):
+        args = ["study=default", *args]
+    sweep_dir = next((a.split("=", 1)[1] for a in args if a.startswith("hydra.sweep.dir=")), None)
+    if sweep_dir is None:
+        sweep_dir = f"runs/study/{time.strftime('%Y-%m-%d_%H-%M-%S')}"
+        args = [*args, f"hydra.sweep.dir={sweep_dir}"]
+    started = time.perf_counter()
+    try:
+        train_command(args)
+    except SystemExit as done:
+        if done.code not in (0, None):
+            raise
+    report_command([sweep_dir])
+    print(f"study finished in {time.perf_counter() - started:.0f} s; report: {Path(sweep_dir).resolve()}/report.md")
+
+
+def report_command(args: list[str]) -> None:
+    import argparse
+
+    from lbt.errors import ConfigError
+    from lbt.report import write_report
+
+    parser = argparse.ArgumentParser(prog="lbt report", description="Report of a study (multirun) folder.")
+    parser.add_argument("study_dir")
+    parser.add_argument("--target", type=float, default=0.95, help="accuracy for steps-to-target (default 0.95)")
+    options = parser.parse_args(args)
+    if not os.path.isdir(options.study_dir):
+        fail(f"no such study folder: {options.study_dir}")
+    try:
+        summary = write_report(options.study_dir, options.target)
+    except ConfigError as error:
+        fail(str(error))
+    print(open(os.path.join(options.study_dir, "report.md")).read())
+    print(f"wrote report.md, accuracy_vs_batch.png, steps_to_target.png, summary.json, tb_summary/ "
+          f"({len(summary['jobs'])} jobs) in {options.study_dir}")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -94,6 +148,10 @@ def main(argv: list[str] | None = None) -> None:
     command, args = argv[0], argv[1:]
     if command == "train":
         train_command(args)
+    elif command == "study":
+        study_command(args)
+    elif command == "report":
+        report_command(args)
     else:
         print(USAGE, file=sys.stderr)
         fail(f"unknown command {command!r}")

@@ -23,6 +23,7 @@ class DistConfig:
     procs: Optional[int] = None
     backend: str = "auto"
     timeout_s: int = 120
+    fuse_workers: bool = True
 
 
 @dataclass

@@ -217,12 +217,13 @@ class BufferMean:
         self.start = [b.detach().clone() for b in self.buffers]
         self.total = [torch.zeros_like(b) if b.is_floating_point() else None for b in self.buffers]
 
-    def after_worker(self, last: bool, workers: int) -> None:
+    def after_pass(self, weight: float, last: bool) -> None:
+        """After a forward over a share `weight` of the process's workers."""
         for buffer, start, total in zip(self.buffers, self.start, self.total):
             if total is not None:
-                total.add_(buffer)
+                total.add_(buffer, alpha=weight)
                 if last:
-                    buffer.copy_(total.div_(workers))
+                    buffer.copy_(total)
             if not last:
                 buffer.copy_(start)
 

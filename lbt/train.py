@@ -36,10 +36,16 @@ ConfigStore.instance().store(group="dist", name="dist_schema", node=DistConfig)
 ConfigStore.instance().store(group="trainer", name="trainer_schema", node=TrainerConfig)
 
 
-def run(cfg: DictConfig | dict, run_dir: str | Path, recipe: str | None = None) -> dict:
-    """Train once as `cfg` says, writing TensorBoard events and result.json into run_dir."""
+def run(cfg: DictConfig | dict, run_dir: str | Path, recipe: str | None = None,
+        overrides: list[str] | None = None) -> dict:
+    """Train once as `cfg` says, writing TensorBoard events and result.json into run_dir.
+
+    `recipe` names the recipe for reports; `overrides` (the command line's) are
+    kept in result.json so a study report can tell its variants apart.
+    """
     config = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
     config["recipe"] = recipe or config.get("recipe") or "custom"
+    config["overrides"] = list(overrides or config.get("overrides") or [])
     run_dir = str(Path(run_dir).resolve())
     env = lbt_dist.torchrun_env()
     procs = _check_layout(config, env)
@@ -138,7 +144,8 @@ def _train_process(
             plan_batches(p.world_size, procs, p.per_worker_batch, None, len(data.train))
         steps, samples = _budget(epoch_plans, len(data.train), trainer_cfg["max_steps"])
         settings = LoopSettings(total_steps=steps, total_samples=samples, seed=trainer_cfg["seed"],
-                                log_every=trainer_cfg["log_every"], progress=trainer_cfg["progress"])
+                                log_every=trainer_cfg["log_every"], progress=trainer_cfg["progress"],
+                                fuse_workers=dist_cfg["fuse_workers"])
         base_lr = config["optim"]["lr"]
         if ctx.is_main:
             print(OmegaConf.to_yaml(OmegaConf.create(config)), flush=True)
@@ -213,6 +220,7 @@ def _agree_on_run_dir(run_dir: str) -> str:
 def _summary(config: dict, plan, steps_per_epoch: int, base_lr: float, result) -> dict:
     return {
         "recipe": config["recipe"],
+        "overrides": config["overrides"],
         "world_size": plan.world_size,
         "procs": plan.procs,
         "per_worker_batch": plan.per_worker_batch,
@@ -241,17 +249,34 @@ def _write_json_atomic(path: Path, payload: dict) -> None:
 def hydra_main(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     output_dir = hydra_cfg.runtime.output_dir
-    # In a sweep, one failing job is recorded and the sweep goes on.
+    recipe = hydra_cfg.runtime.choices.get("recipe")
+    # In a sweep, a failing job is recorded in its result.json and the sweep goes on.
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
+    overrides = list(hydra_cfg.overrides.task)
     try:
-        run(cfg, output_dir, recipe=hydra_cfg.runtime.choices.get("recipe"))
+        run(cfg, output_dir, recipe=recipe, overrides=overrides)
     except (ConfigError, lbt_dist.WorkerDied) as error:
-        code = 2 if isinstance(error, ConfigError) or not str(error) else 1
         if str(error):
             print(f"lbt: error: {error}", file=sys.stderr, flush=True)
         if not sweeping:
-            sys.exit(code)
-        _write_json_atomic(Path(output_dir) / "result.json", {"error": str(error) or "config error in a worker"})
+            sys.exit(2 if isinstance(error, ConfigError) or not str(error) else 1)
+        _record_failure(cfg, output_dir, recipe, overrides, str(error) or "config error in a worker")
+    except Exception as error:  # a crash in one job of a sweep must not stop the others
+        if not sweeping:
+            raise
+        print(f"lbt: job failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        _record_failure(cfg, output_dir, recipe, overrides, f"{type(error).__name__}: {error}")
+
+
+def _record_failure(cfg: DictConfig, output_dir: str, recipe: str | None, overrides: list[str], message: str) -> None:
+    trainer, dist_cfg = cfg.trainer, cfg.dist
+    world_size = dist_cfg.world_size or 1
+    per_worker = trainer.per_worker_batch or (trainer.global_batch // world_size if trainer.global_batch else 64)
+    _write_json_atomic(Path(output_dir) / "result.json", {
+        "error": message, "recipe": recipe or "custom", "overrides": overrides, "world_size": world_size,
+        "per_worker_batch": per_worker, "global_batch": trainer.global_batch or per_worker * world_size,
+        "seed": trainer.seed,
+    })
 
 
 def main() -> None:

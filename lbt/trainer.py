@@ -1,7 +1,9 @@
 """The training loop: fit() -> train_epoch() -> train_step(), and evaluate().
 
 One optimizer step of synchronous data-parallel SGD over `world_size` W
-workers, run by `procs` P processes that each simulate k = W/P workers:
+workers, run by `procs` P processes that each simulate k = W/P workers.
+Fused (default, see lbt/fused.py): one forward/backward over the k*b samples
+with BatchNorm statistics per worker chunk. Sequential (dist.fuse_workers=false):
 
     for each local worker i (k of them, one after another):
         loss_i = mean loss over its per_worker_batch samples  # BN sees b samples, as on a GPU
@@ -27,8 +29,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lbt.config import BatchPlan
-from lbt.data.batches import StepBatches, WorkerBatches, eval_batches
+from lbt.data.batches import StepBatches, eval_batches
 from lbt.dist import BufferMean, DistContext, all_reduce_sum, average_buffers
+from lbt.fused import per_worker_batchnorm, set_per_worker_batch
 from lbt.metrics.tensorboard import RunLogger
 from lbt.techniques.base import Progress, Technique, learning_rate
 
@@ -51,6 +54,7 @@ class Result:
     diverged: bool = False
     # (step, samples seen, global batch, val acc) after each epoch: steps-to-target comes from it
     val_history: list[list[float]] = field(default_factory=list)
+    technique_metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -61,6 +65,7 @@ class LoopSettings:
     log_every: int = 10
     progress: bool = True
     eval_batch: int = 1024
+    fuse_workers: bool = True
 
 
 def _wrap_ddp(model: nn.Module) -> DistributedDataParallel:
@@ -86,9 +91,14 @@ class Trainer:
         logger: RunLogger | None = None,
     ):
         self.model = model
-        self.ddp = _wrap_ddp(model) if ctx.distributed else model
-        for technique in techniques:
-            technique.on_ddp(self.ddp)
+        self.worker_norms = []
+        if settings.fuse_workers and any(p.world_size > ctx.procs for p in epoch_plans):
+            self.worker_norms = per_worker_batchnorm(model, epoch_plans[0].per_worker_batch)
+        self.ddp = model
+        if ctx.distributed:
+            self.ddp = _wrap_ddp(model)
+            for technique in techniques:
+                technique.on_ddp(self.ddp)
         self.optimizer, self.loss_fn = optimizer, loss_fn
         self.techniques, self.base_lr = techniques, base_lr
         self.epoch_plans, self.ctx = epoch_plans, ctx
@@ -97,6 +107,7 @@ class Trainer:
         self.log = logger or RunLogger(None)
         self.show_progress = settings.progress and ctx.is_main
         self.buffer_mean = BufferMean(model)
+        self.wants_worker_gradient = any(t.wants_worker_gradient for t in techniques)
         self.step = 0
         self.samples_seen = 0
 
@@ -129,6 +140,7 @@ class Trainer:
         result.steps, result.samples_seen = self.step, self.samples_seen
         result.wall_seconds = time.perf_counter() - started
         result.samples_per_sec = self.samples_seen / max(result.train_seconds, 1e-9)
+        result.technique_metrics = self.technique_metrics()
         return result
 
     def train_epoch(self, epoch: int, plan: BatchPlan) -> float:
@@ -136,6 +148,7 @@ class Trainer:
         self.model.train()
         for technique in self.techniques:
             technique.on_epoch_start(epoch, self.model)
+        set_per_worker_batch(self.worker_norms, plan.per_worker_batch)
         workers_per_proc = plan.world_size // self.ctx.procs
         batches = StepBatches(
             self.train_set, plan.world_size, plan.per_worker_batch, self.ctx.rank * workers_per_proc,
@@ -146,12 +159,12 @@ class Trainer:
         epoch_loss = torch.zeros(2, dtype=torch.float64)  # [sum of step losses, steps] over all processes
         window = torch.zeros(2, dtype=torch.float64)
         window_start = time.perf_counter()
-        for i, worker_batches in enumerate(batches.epoch(epoch)):
+        for i, (inputs, labels) in enumerate(batches.epoch(epoch)):
             if i == steps:
                 break
             progress = self.progress(epoch, plan)
             lr = self.set_lr(progress)
-            loss, correct = self.train_step(worker_batches, progress)
+            loss, correct = self.train_step(inputs, labels, workers_per_proc, progress)
             self.step += 1
             self.samples_seen += plan.global_batch
             window += torch.tensor([loss, 1.0], dtype=torch.float64)
@@ -164,7 +177,7 @@ class Trainer:
                 samples_per_sec = local_steps * plan.global_batch / (time.perf_counter() - window_start)
                 self.log.scalars(
                     {"train/loss": mean_loss, "train/lr": lr, "train/global_batch": plan.global_batch,
-                     "perf/samples_per_sec": samples_per_sec},
+                     "perf/samples_per_sec": samples_per_sec, **self.technique_metrics()},
                     self.step, self.samples_seen,
                 )
                 epoch_loss += window
@@ -195,33 +208,54 @@ class Trainer:
             group["lr"] = lr
         return lr
 
-    def train_step(self, worker_batches: WorkerBatches, progress: Progress) -> tuple[float, int]:
-        """One synchronous SGD step over this process's virtual workers."""
-        workers = len(worker_batches)
-        average_workers_buffers = workers > 1 and self.buffer_mean.active
+    def train_step(self, inputs: torch.Tensor, labels: torch.Tensor, workers: int, progress: Progress):
+        """One synchronous SGD step over this process's `workers` virtual workers.
+
+        Returns this process's mean loss and its number of correct predictions.
+        """
         self.optimizer.zero_grad(set_to_none=True)
-        if average_workers_buffers:
+        if workers > 1 and self.wants_worker_gradient:
+            # The first worker alone (its BN statistics and gradient its own),
+            # so a technique can read one worker's gradient, then the others.
+            b = len(labels) // workers
+            passes = [(inputs[:b], labels[:b], 1), (inputs[b:], labels[b:], workers - 1)]
+        elif workers > 1 and not self.worker_norms:
+            passes = [(x, y, 1) for x, y in zip(inputs.chunk(workers), labels.chunk(workers))]
+        else:
+            passes = [(inputs, labels, workers)]  # one worker, or fused workers
+        split_buffers = len(passes) > 1 and self.buffer_mean.active
+        if split_buffers:
             self.buffer_mean.begin_step()
         loss_sum, correct = 0.0, 0
-        for i, (inputs, labels) in enumerate(worker_batches):
-            last = i == workers - 1
-            # no_sync: the first k-1 workers only accumulate gradients locally;
-            # the last backward lets DDP allreduce the sum, once per step.
+        for i, (pass_inputs, pass_labels, pass_workers) in enumerate(passes):
+            last = i == len(passes) - 1
+            share = pass_workers / workers
+            # no_sync: earlier passes only accumulate gradients locally; the
+            # last backward lets DDP allreduce the sum, once per step.
             sync = nullcontext() if last or not self.ctx.distributed else self.ddp.no_sync()
             with sync:
-                logits = self.ddp(inputs)
-                loss = self.loss_fn(logits, labels)
-                # 1/k: the k local workers' mean losses average to the process's
-                # share; DDP's division by P completes the mean over W workers.
-                (loss / workers).backward()
-            if average_workers_buffers:
-                self.buffer_mean.after_worker(last, workers)
-            loss_sum += loss.item()
-            correct += int((logits.argmax(1) == labels).sum())
+                logits = self.ddp(pass_inputs)
+                loss = self.loss_fn(logits, pass_labels)
+                # Each pass's mean loss weighs by its share of the k local
+                # workers; DDP's division by P completes the mean over W workers.
+                (loss * share).backward()
+            if split_buffers:
+                self.buffer_mean.after_pass(share, last)
+            if i == 0 and len(passes) > 1 and self.wants_worker_gradient:
+                for technique in self.techniques:
+                    technique.on_worker_gradient(self.model, len(pass_labels), workers)
+            loss_sum += loss.item() * share
+            correct += int((logits.argmax(1) == pass_labels).sum())
         for technique in self.techniques:
             technique.after_backward(self.model, progress)
         self.optimizer.step()
-        return loss_sum / workers, correct
+        return loss_sum, correct
+
+    def technique_metrics(self) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        for technique in self.techniques:
+            metrics.update(technique.metrics())
+        return metrics
 
     @torch.no_grad()
     def evaluate(self, dataset) -> tuple[float, float]:

@@ -5,6 +5,7 @@ After 20 steps at global batch 64:
   with per_worker_batch 64 give the same parameters;
 - cnn1d with BatchNorm: real and simulated W=4 agree, and differ from W=1,
   because each worker normalises over its own 16 samples.
+Simulation is checked both fused (one pass, per-worker BN chunks) and sequential.
 """
 
 import pytest
@@ -14,10 +15,11 @@ from conftest import final_params, relative_diff, train
 STEPS = ["data.num_train=1280", "trainer.epochs=1", "optim.lr=0.05"]  # 1280 / 64 = 20 steps
 
 
-def layouts(model: str, tmp_path):
+def layouts(model: str, tmp_path, fuse: bool = True):
     common = [f"model={model}", *STEPS]
     real = train(tmp_path / "real", common + ["dist.world_size=4", "dist.procs=4", "trainer.global_batch=64"])
-    simulated = train(tmp_path / "sim", common + ["dist.world_size=4", "dist.procs=1", "trainer.global_batch=64"])
+    simulated = train(tmp_path / "sim", common + ["dist.world_size=4", "dist.procs=1", "trainer.global_batch=64",
+                                                  f"dist.fuse_workers={str(fuse).lower()}"])
     single = train(tmp_path / "single", common + ["dist.world_size=1", "trainer.per_worker_batch=64"])
     for result in (real, simulated, single):
         assert result["steps"] == 20 and result["global_batch"] == 64
@@ -26,8 +28,9 @@ def layouts(model: str, tmp_path):
 
 
 @pytest.mark.slow
-def test_bn_free_model_is_identical_across_layouts(tmp_path):
-    (real, simulated, single), results = layouts("mlp", tmp_path)
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "sequential"])
+def test_bn_free_model_is_identical_across_layouts(tmp_path, fuse):
+    (real, simulated, single), results = layouts("mlp", tmp_path, fuse)
     assert relative_diff(real, simulated) < 1e-5
     assert relative_diff(real, single) < 1e-5
     assert relative_diff(simulated, single) < 1e-5
@@ -36,8 +39,9 @@ def test_bn_free_model_is_identical_across_layouts(tmp_path):
 
 
 @pytest.mark.slow
-def test_batchnorm_model_real_equals_simulated_but_not_single_worker(tmp_path):
-    (real, simulated, single), results = layouts("cnn1d", tmp_path)
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "sequential"])
+def test_batchnorm_model_real_equals_simulated_but_not_single_worker(tmp_path, fuse):
+    (real, simulated, single), results = layouts("cnn1d", tmp_path, fuse)
     assert relative_diff(real, simulated) < 1e-5
     # per-worker BN statistics over 16 samples are not those over 64 samples
     assert relative_diff(real, single) > 1e-3

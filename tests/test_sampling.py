@@ -25,9 +25,9 @@ def step_sets(world_size: int, procs: int, global_batch: int, n: int = 1000) -> 
     for rank in range(procs):
         batches = StepBatches(data, world_size, per_worker, rank * k, k, seed=0, device=torch.device("cpu"))
         steps = []
-        for worker_batches in batches.epoch(0):
-            assert len(worker_batches) == k and all(len(y) == per_worker for _, y in worker_batches)
-            steps.append({int(i) for _, y in worker_batches for i in y})
+        for _, labels in batches.epoch(0):
+            assert len(labels) == k * per_worker
+            steps.append({int(i) for i in labels})
         sets_per_proc.append(steps)
     # union over processes, per step
     return [set().union(*(proc[s] for proc in sets_per_proc)) for s in range(len(sets_per_proc[0]))]

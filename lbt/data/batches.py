@@ -15,11 +15,10 @@ from torch.utils.data import DataLoader, Dataset
 from lbt.data.base import InMemoryDataset
 from lbt.dist import shard_indices
 
-WorkerBatches = list[tuple[torch.Tensor, torch.Tensor]]
-
-
 class StepBatches:
-    """Yields, per step, one (inputs, labels) batch for each local virtual worker.
+    """Yields, per step, this process's (inputs, labels): its virtual workers'
+    per_worker_batch samples one after another (worker-major), so chunk i of
+    size per_worker_batch is local worker i's batch.
 
     In-memory datasets are gathered by index from the tensors (one index_select
     per step, no per-sample Python work); other datasets go through a DataLoader
@@ -55,12 +54,12 @@ class StepBatches:
         # worker-major within a step: chunk i of a step's batch is local worker i's batch
         return steps.permute(1, 0, 2).reshape(self.steps_per_epoch, self.workers_per_proc * b)
 
-    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[WorkerBatches]:
+    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         indices = self.step_indices(epoch)[start_step:]
         if isinstance(self.dataset, InMemoryDataset):
             x, y = self.dataset.x, self.dataset.y
             for step in indices:
-                yield self._split(x[step], y[step])
+                yield self._to_device(x[step], y[step])
         else:
             loader = DataLoader(
                 self.dataset,
@@ -69,12 +68,10 @@ class StepBatches:
                 pin_memory=self.device.type == "cuda",
             )
             for inputs, labels in loader:
-                yield self._split(inputs, labels)
+                yield self._to_device(inputs, labels)
 
-    def _split(self, inputs: torch.Tensor, labels: torch.Tensor) -> WorkerBatches:
-        inputs = inputs.to(self.device, non_blocking=True)
-        labels = labels.to(self.device, non_blocking=True)
-        return list(zip(inputs.split(self.per_worker_batch), labels.split(self.per_worker_batch)))
+    def _to_device(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
 
 
 def eval_batches(dataset: Dataset, rank: int, procs: int, batch: int, device: torch.device):

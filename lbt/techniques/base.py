@@ -17,7 +17,9 @@ Where each hook fires in a run (see lbt/train.py and lbt/trainer.py):
             progress = Progress(samples_seen, global_batch, ...)
             scale = prod(t.lr_scale(progress))                    # scaling rules
             lr = base_lr * scale * prod(t.lr_factor(progress, scale))  # warmup, decay
-            for worker in local workers: forward, backward        # no_sync but the last
+            for worker in local workers: forward, backward        # no_sync but the last (or fused)
+                (first worker alone, if a technique wants_worker_gradient:
+                 t.on_worker_gradient(model, per_worker_batch, workers))  # gradient noise scale
             for t in techniques: t.after_backward(model, progress)  # clipping, measurements
             optimizer.step()
         for t in techniques: t.before_eval(model)                 # BN recalibration
@@ -57,6 +59,9 @@ class Technique:
 
     order: ClassVar[int] = 50
     name: ClassVar[str] = "technique"
+    # True: the trainer back-propagates a process's first worker on its own
+    # and calls on_worker_gradient with that single worker's gradient.
+    wants_worker_gradient: ClassVar[bool] = False
 
     def on_model(self, model: nn.Module) -> nn.Module:
         return model
@@ -85,11 +90,18 @@ class Technique:
         """Multiplier shaping the LR over time (warmup, decay); `scale` is the product of lr_scale."""
         return 1.0
 
+    def on_worker_gradient(self, model: nn.Module, per_worker_batch: int, workers: int) -> None:
+        """Gradients hold the first local worker's gradient divided by `workers`."""
+
     def after_backward(self, model: nn.Module, progress: Progress) -> None:
         """After the step's gradient is averaged over all workers, before optimizer.step()."""
 
     def before_eval(self, model: nn.Module) -> None:
         pass
+
+    def metrics(self) -> dict[str, float]:
+        """Scalars to log (TensorBoard tag -> value) and to keep in result.json."""
+        return {}
 
     def describe(self) -> str:
         return self.name

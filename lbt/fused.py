@@ -1,0 +1,49 @@
+"""Fused simulation: a process's k virtual workers as ONE forward/backward.
+
+Running k forwards of b samples one after another costs more than one forward
+of k*b samples (small batches use the hardware badly). The only layers in
+which samples of a batch interact are BatchNorm layers, so the fused pass is
+exact when every BatchNorm normalises each worker's b-sample chunk on its own,
+which is ghost BN with ghost batches of per_worker_batch samples. The loss mean
+over the k*b samples is the mean of the k workers' mean losses, so the gradient
+is the same as in the sequential path.
+
+Rule: fusing assumes samples interact only through BatchNorm (true of lbt's
+models and torchvision's classifiers). Models with other cross-sample layers
+must run with dist.fuse_workers=false.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from lbt.techniques.ghost_bn import GhostBatchNorm
+
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+def per_worker_batchnorm(model: nn.Module, per_worker_batch: int) -> list[GhostBatchNorm]:
+    """Make every BatchNorm compute statistics per worker chunk; return the layers to retune.
+
+    A GhostBatchNorm already present (technique ghost_bn, ghost batches dividing
+    per_worker_batch) already keeps workers apart and is left alone.
+    """
+    converted: list[GhostBatchNorm] = []
+
+    def visit(module: nn.Module) -> None:
+        for name, child in module.named_children():
+            if isinstance(child, _BATCH_NORMS) and not isinstance(child, GhostBatchNorm):
+                worker_bn = GhostBatchNorm.from_batchnorm(child, per_worker_batch)
+                setattr(module, name, worker_bn)
+                converted.append(worker_bn)
+            else:
+                visit(child)
+
+    visit(model)
+    return converted
+
+
+def set_per_worker_batch(layers: list[GhostBatchNorm], per_worker_batch: int) -> None:
+    """Follow a per-worker batch that changes between epochs (batch ramp)."""
+    for layer in layers:
+        layer.virtual_batch = per_worker_batch

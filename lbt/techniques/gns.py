@@ -1,0 +1,132 @@
+"""Gradient noise scale and critical batch size (McCandlish, Kaplan, Amodei et al. 2018).
+
+"An Empirical Model of Large-Batch Training", appendix A: from the squared
+norms of the gradient of a small batch b (one worker's) and of the averaged
+gradient of the global batch B, two unbiased estimates
+
+    |G|^2 = (B |g_B|^2 - b |g_b|^2) / (B - b)     tr(S) = (|g_b|^2 - |g_B|^2) / (1/b - 1/B)
+
+are each smoothed by an exponential moving average; B_simple = tr(S) / |G|^2
+(ratio of the averages). Batches are drawn without replacement from N
+samples, so 1/B becomes the finite-population factor c(B) = (N - B) / ((N - 1) B).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lbt.techniques.base import Progress, Technique
+
+
+def finite_population_factor(batch: float, population: float | None) -> float:
+    """Variance factor of a batch mean drawn without replacement: (N - B) / ((N - 1) B); 1/B if N is None."""
+    if population is None:
+        return 1.0 / batch
+    return (population - batch) / ((population - 1) * batch)
+
+
+def noise_scale_terms(small_sq: float, big_sq: float, small_batch: float, big_batch: float,
+                      population: float | None = None) -> tuple[float, float]:
+    """Unbiased (|G|^2, tr(S)) from one pair of squared gradient norms."""
+    c_small = finite_population_factor(small_batch, population)
+    c_big = finite_population_factor(big_batch, population)
+    trace = (small_sq - big_sq) / (c_small - c_big)
+    return big_sq - c_big * trace, trace
+
+
+class NoiseScaleEstimator:
+    """EMAs of |G|^2 and tr(S), with bias correction; B_simple is their ratio."""
+
+    def __init__(self, decay: float = 0.95):
+        self.decay = decay
+        self.grad_sq = self.trace = 0.0
+        self.weight = 0.0  # sum of EMA weights, for the bias correction
+
+    def update(self, small_sq: float, big_sq: float, small_batch: float, big_batch: float,
+               population: float | None = None) -> None:
+        grad_sq, trace = noise_scale_terms(small_sq, big_sq, small_batch, big_batch, population)
+        self.grad_sq = self.decay * self.grad_sq + (1 - self.decay) * grad_sq
+        self.trace = self.decay * self.trace + (1 - self.decay) * trace
+        self.weight = self.decay * self.weight + (1 - self.decay)
+
+    @property
+    def b_simple(self) -> float:
+        if self.weight == 0 or self.grad_sq <= 0:
+            return float("nan")
+        return self.trace / self.grad_sq
+
+    def state(self) -> dict[str, float]:
+        if self.weight == 0:
+            return {}
+        return {"gns/grad_sq": self.grad_sq / self.weight, "gns/trace": self.trace / self.weight,
+                "gns/b_simple": self.b_simple}
+
+
+def grad_sq_norm(model: nn.Module) -> torch.Tensor:
+    grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
+    return torch.stack([g.double().pow(2).sum() for g in grads]).sum()
+
+
+class GradientNoiseScale(Technique):
+    """Measure B_simple every step: a running estimate of the critical batch size.
+
+    The small batch is one worker's batch b. With several workers per process
+    the trainer back-propagates the first worker alone and calls
+    on_worker_gradient; with one worker per process (real workers) a DDP
+    communication hook reads the local gradient before the allreduce. Needs
+    world_size >= 2; with one worker there is nothing to compare, and the
+    technique records nothing. Order 80: before gradient clipping.
+    """
+
+    name = "gns"
+    order = 80
+    wants_worker_gradient = True
+
+    def __init__(self, ema_decay: float = 0.95, finite_population: bool = True):
+        self.estimator = NoiseScaleEstimator(ema_decay)
+        self.finite_population = finite_population
+        self.worker_sq: torch.Tensor | None = None
+        self.worker_batch: int | None = None
+        self.hook_sq: torch.Tensor | None = None
+
+    def on_worker_gradient(self, model: nn.Module, per_worker_batch: int, workers: int) -> None:
+        # The accumulated gradient is g_b / workers at this point (loss scaled by 1/k).
+        self.worker_sq = grad_sq_norm(model) * workers**2
+        self.worker_batch = per_worker_batch
+
+    def on_ddp(self, ddp_model: nn.Module) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def measure_then_allreduce(state, bucket):
+            local_sq = bucket.buffer().double().pow(2).sum()
+            self.hook_sq = local_sq if self.hook_sq is None else self.hook_sq + local_sq
+            return allreduce_hook(state, bucket)
+
+        ddp_model.register_comm_hook(None, measure_then_allreduce)
+
+    def after_backward(self, model: nn.Module, progress: Progress) -> None:
+        worker_sq, self.worker_sq = self.worker_sq, None
+        hook_sq, self.hook_sq = self.hook_sq, None
+        procs = dist.get_world_size() if dist.is_initialized() else 1
+        if worker_sq is None:
+            if hook_sq is None or procs == 1:
+                return  # one worker in all: no small batch to compare with
+            worker_sq, small_batch = hook_sq, progress.global_batch // procs
+        else:
+            small_batch = self.worker_batch
+        if small_batch >= progress.global_batch:
+            return
+        if procs > 1:  # every process measured its own worker: average them
+            dist.all_reduce(worker_sq)
+            worker_sq = worker_sq / procs
+        population = progress.samples_per_epoch if self.finite_population else None
+        self.estimator.update(worker_sq.item(), grad_sq_norm(model).item(), small_batch, progress.global_batch,
+                              population)
+
+    def metrics(self) -> dict[str, float]:
+        return self.estimator.state()
+
+    def describe(self) -> str:
+        return "gradient noise scale (B_simple)"
