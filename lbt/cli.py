@@ -18,6 +18,8 @@ commands:
                         and write its report; e.g. `lbt study study=gpu_counts`
   report DIR [--target ACC]
                         turn a multirun folder into report.md, PNG curves, summary.json, tb_summary/
+  plan [options]        predict time per epoch vs GPU count from measured compute and a network
+                        model: where adding GPUs stops paying (`lbt plan --help`)
 """
 
 
@@ -152,6 +154,10 @@ def main(argv: list[str] | None = None) -> None:
         study_command(args)
     elif command == "report":
         report_command(args)
+    elif command == "plan":
+        from lbt.plan import plan_main
+
+        sys.exit(plan_main(args))
     else:
         print(USAGE, file=sys.stderr)
         fail(f"unknown command {command!r}")

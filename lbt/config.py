@@ -37,6 +37,8 @@ class TrainerConfig:
     log_every: int = 10
     device: str = "auto"
     threads: Optional[int] = None
+    checkpoint_every: int = 1
+    resume: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -118,17 +120,44 @@ def plan_batches(
     return plan
 
 
+# Upper bounds that catch typos (an extra zero or two) before they cost hours or memory.
+MAX_EPOCHS = 100_000
+MAX_LOCAL_PROCS = 256
+MAX_THREADS = 1024
+
+
 def check_trainer(cfg: TrainerConfig | dict) -> None:
     """Range checks the schema's types cannot express."""
     get = cfg.get if isinstance(cfg, dict) else lambda k: getattr(cfg, k)
     _positive_int("trainer.epochs", get("epochs"))
+    if get("epochs") > MAX_EPOCHS:
+        raise ConfigError(f"trainer.epochs={get('epochs')} is more than {MAX_EPOCHS:,}; use trainer.max_steps to cap a run")
+    if get("threads") is not None and get("threads") > MAX_THREADS:
+        raise ConfigError(f"trainer.threads={get('threads')} is more than {MAX_THREADS}")
     _positive_int("trainer.log_every", get("log_every"))
+    if isinstance(get("checkpoint_every"), bool) or not isinstance(get("checkpoint_every"), int) \
+            or get("checkpoint_every") < 0:
+        raise ConfigError(f"trainer.checkpoint_every must be a non-negative integer, got {get('checkpoint_every')!r}")
+    if get("resume") not in (None, "auto"):
+        raise ConfigError(f"trainer.resume must be null or auto, got {get('resume')!r}")
     if get("max_steps") is not None:
         _positive_int("trainer.max_steps", get("max_steps"))
     if get("threads") is not None:
         _positive_int("trainer.threads", get("threads"))
     if get("device") not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"trainer.device must be auto, cpu or cuda, got {get('device')!r}")
+
+
+def check_dist(cfg: dict, under_torchrun: bool) -> None:
+    timeout = cfg.get("timeout_s")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86_400:
+        raise ConfigError(f"dist.timeout_s must be a number of seconds in (0, 86400], got {timeout!r}")
+    if cfg.get("backend") not in ("auto", "gloo", "nccl"):
+        raise ConfigError(f"dist.backend must be auto, gloo or nccl, got {cfg.get('backend')!r}")
+    procs = cfg.get("procs")
+    if not under_torchrun and isinstance(procs, int) and procs > MAX_LOCAL_PROCS:
+        raise ConfigError(f"dist.procs={procs}: lbt's local launcher starts at most {MAX_LOCAL_PROCS} processes "
+                          "on one machine; use torchrun or a cluster launcher for more")
 
 
 def lr_is_sane(lr) -> None:

@@ -125,6 +125,26 @@ def launch_local(fn: Callable, args: tuple, procs: int) -> None:
     store = dist.TCPStore(HOST, 0, procs + 1, is_master=True, wait_for_workers=False)
     context = mp.start_processes(fn, args=(store.port, *args), nprocs=procs, join=False, start_method="spawn")
     processes = context.processes
+
+    def forward(signum, frame):
+        # Preemption reaches the launcher: the workers checkpoint and stop together.
+        for p in processes:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        failed = _watch(processes)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if not failed:
+        return
+    _stop_all(processes, failed, procs)
+
+
+def _watch(processes: list) -> list[int]:
+    """Wait until all processes ended well, or one failed; return the failed ranks."""
     pending = {p.sentinel: rank for rank, p in enumerate(processes)}
     failed: list[int] = []
     while pending and not failed:
@@ -133,8 +153,10 @@ def launch_local(fn: Callable, args: tuple, procs: int) -> None:
             processes[rank].join()
             if processes[rank].exitcode != 0:
                 failed.append(rank)
-    if not failed:
-        return
+    return failed
+
+
+def _stop_all(processes: list, failed: list[int], procs: int) -> None:
     # Give the peers a moment to notice on their own, so the report can tell the
     # rank that died from the ranks that merely lost their peer.
     deadline = time.monotonic() + 3.0

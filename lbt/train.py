@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import hydra
@@ -25,7 +27,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from lbt import dist as lbt_dist
-from lbt.config import BatchPlan, DistConfig, TrainerConfig, check_trainer, lr_is_sane, plan_batches
+from lbt.checkpoint import Checkpointer
+from lbt.config import BatchPlan, DistConfig, TrainerConfig, check_dist, check_trainer, lr_is_sane, plan_batches
 from lbt.errors import ConfigError
 from lbt.metrics.tensorboard import RunLogger
 from lbt.paths import conf_dir
@@ -59,13 +62,17 @@ def run(cfg: DictConfig | dict, run_dir: str | Path, recipe: str | None = None,
         # reports a missing dataset as one line from one process.
         _build_data(config)
         lbt_dist.launch_local(_spawned_process, (config, run_dir, procs), procs)
-    return json.loads((Path(run_dir) / "result.json").read_text())
+    result_path = Path(run_dir) / "result.json"
+    if not result_path.exists():  # stopped by a signal after a checkpoint
+        return {"stopped": True}
+    return json.loads(result_path.read_text())
 
 
 def _check_layout(config: dict, env: dict | None) -> int:
     """Validate what can be checked before any process starts; return procs."""
     dist_cfg, trainer = config["dist"], config["trainer"]
     check_trainer(trainer)
+    check_dist(dist_cfg, env is not None)
     lr_is_sane(config["optim"].get("lr"))
     if env is not None:
         if dist_cfg.get("procs") not in (None, env["procs"]):
@@ -78,18 +85,21 @@ def _check_layout(config: dict, env: dict | None) -> int:
     return procs
 
 
-def build(node: dict, **kwargs):
-    """hydra.utils.instantiate, letting a ConfigError from the target through as itself."""
+def build(node: dict, where: str, **kwargs):
+    """hydra.utils.instantiate; a constructor rejecting its config values is a ConfigError naming `where`."""
     try:
         return instantiate(node, **kwargs)
     except InstantiationException as error:
-        if isinstance(error.__cause__, ConfigError):
-            raise error.__cause__ from None
+        cause = error.__cause__
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        if isinstance(cause, (TypeError, ValueError)):
+            raise ConfigError(f"{where}: {str(cause).splitlines()[0] if str(cause) else type(cause).__name__}") from None
         raise
 
 
 def _build_data(config: dict):
-    return build(config["data"])
+    return build(config["data"], "data")
 
 
 def _spawned_process(rank: int, store_port: int, config: dict, run_dir: str, procs: int) -> None:
@@ -126,11 +136,14 @@ def _train_process(
         )
         techniques = build_techniques(config)
         torch.manual_seed(trainer_cfg["seed"])  # same initial weights in every process and layout
-        model = build(config["model"], input_shape=tuple(data.input_shape), num_classes=data.num_classes)
+        model = build(config["model"], "model", input_shape=tuple(data.input_shape), num_classes=data.num_classes)
         for technique in techniques:
             model = technique.on_model(model)
         model.to(device)
-        optimizer = build(config["optim"])(model.parameters())
+        try:
+            optimizer = build(config["optim"], "optim")(model.parameters())
+        except (TypeError, ValueError) as error:  # torch.optim checks its hyper-parameters here
+            raise ConfigError(f"optim: {error}") from None
         for technique in techniques:
             optimizer = technique.on_optimizer(optimizer, model)
         loss_fn = torch.nn.CrossEntropyLoss()
@@ -145,18 +158,29 @@ def _train_process(
         steps, samples = _budget(epoch_plans, len(data.train), trainer_cfg["max_steps"])
         settings = LoopSettings(total_steps=steps, total_samples=samples, seed=trainer_cfg["seed"],
                                 log_every=trainer_cfg["log_every"], progress=trainer_cfg["progress"],
-                                fuse_workers=dist_cfg["fuse_workers"])
+                                fuse_workers=dist_cfg["fuse_workers"],
+                                checkpoint_every=trainer_cfg["checkpoint_every"])
         base_lr = config["optim"]["lr"]
         if ctx.is_main:
             print(OmegaConf.to_yaml(OmegaConf.create(config)), flush=True)
             print(f"{plan.describe(len(data.train))} {describe_lr(base_lr, techniques, plan, len(data.train), samples)} "
                   f"run_dir={run_dir}", flush=True)
-        logger = RunLogger(run_dir if ctx.is_main else None)
+        checkpointer = Checkpointer(run_dir, rank, procs)
+        resume = _resume_point(trainer_cfg["resume"], checkpointer)
+        logger = RunLogger(run_dir if ctx.is_main else None, *(_resume_position(checkpointer, resume)))
         trainer = Trainer(
             model, optimizer, loss_fn, techniques, base_lr, epoch_plans, ctx,
-            (data.train, data.val, data.test), settings, logger,
+            (data.train, data.val, data.test), settings, logger, checkpointer,
         )
-        result = trainer.fit()
+        if resume is not None:
+            trainer.load_checkpoint(*checkpointer.load(resume))
+            if ctx.is_main:
+                print(f"resumed from step {trainer.step} (epoch {trainer.epoch + 1}) in {run_dir}", flush=True)
+        with stop_on_signals(trainer):
+            result = trainer.fit()
+        if result.stopped:
+            logger.close()
+            return {"stopped": True, "step": result.steps}
         result.wall_seconds = time.perf_counter() - started
         if ctx.is_main:
             summary = _summary(config, plan, plan.steps_per_epoch(len(data.train)), base_lr, result)
@@ -179,13 +203,13 @@ def _train_process(
 
 def build_techniques(config: dict) -> list[Technique]:
     """The schedule's decay plus every technique the config lists, in their declared order."""
-    techniques = [build(config["schedule"])]
+    techniques = [build(config["schedule"], "schedule")]
     for name, node in (config.get("technique") or {}).items():
         if "_target_" not in node:
             # A recipe set options of a technique the command line then deselected.
             print(f"lbt: note: technique.{name} is configured but not selected; ignored", file=sys.stderr)
             continue
-        techniques.append(build(node))
+        techniques.append(build(node, f"technique.{name}"))
     return sort_techniques(techniques)
 
 
@@ -208,6 +232,40 @@ def describe_lr(base_lr: float, techniques: list[Technique], plan: BatchPlan, nu
     factors = [f"base {base_lr:g}" + (f" x {scale:g}" if scale != 1 else "")]
     factors += [t.describe() for t in techniques]
     return f"lr={base_lr * scale:g} ({' | '.join(factors)})"
+
+
+def _resume_point(resume: str | None, checkpointer: Checkpointer) -> dict | None:
+    """trainer.resume: null (start fresh), auto (the run folder's latest checkpoint, if any)."""
+    if resume is None:
+        return None
+    if resume != "auto":
+        raise ConfigError(f"trainer.resume must be null or auto, got {resume!r}")
+    latest = checkpointer.latest()
+    if latest is None and checkpointer.rank == 0:
+        print(f"lbt: no checkpoint in {checkpointer.root}; starting from scratch", file=sys.stderr, flush=True)
+    return latest
+
+
+def _resume_position(checkpointer: Checkpointer, resume: dict | None) -> tuple[int, int]:
+    """(step, samples seen) of the checkpoint: TensorBoard purges what came after it."""
+    if resume is None:
+        return 0, 0
+    main, _ = checkpointer.load(resume)
+    return main["loop"]["step"], main["loop"]["samples_seen"]
+
+
+@contextmanager
+def stop_on_signals(trainer: Trainer):
+    """SIGTERM (how schedulers preempt) and SIGINT ask the loop to checkpoint and stop cleanly."""
+    def request_stop(signum, frame):
+        trainer.stop_requested = True
+
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _agree_on_run_dir(run_dir: str) -> str:

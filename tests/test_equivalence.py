@@ -48,3 +48,16 @@ def test_batchnorm_model_real_equals_simulated_but_not_single_worker(tmp_path, f
     # evaluation uses the workers' averaged running stats: same in both layouts
     assert results[0]["final_val_acc"] == pytest.approx(results[1]["final_val_acc"], abs=1e-9)
     assert results[0]["final_val_loss"] == pytest.approx(results[1]["final_val_loss"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_bn_epoch_average_is_the_same_fused_and_sequential(tmp_path):
+    """akiba2017 swaps BN's moving average for the epoch's plain average; fused
+    simulation replaces BN layers with per-worker ones, which must keep it."""
+    common = ["model=cnn1d", "recipe=akiba2017", "data.num_train=640", "trainer.epochs=2",
+              "dist.world_size=4", "trainer.global_batch=64"]
+    fused = train(tmp_path / "fused", common + ["dist.fuse_workers=true"])
+    sequential = train(tmp_path / "seq", common + ["dist.fuse_workers=false"])
+    assert relative_diff(final_params(tmp_path / "fused"), final_params(tmp_path / "seq")) < 1e-5
+    assert fused["final_val_loss"] == pytest.approx(sequential["final_val_loss"], rel=1e-4)
+    assert fused["final_val_acc"] == pytest.approx(sequential["final_val_acc"], abs=1e-9)

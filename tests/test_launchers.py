@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import FAST, final_params, lbt_cli, relative_diff
 

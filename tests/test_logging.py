@@ -14,11 +14,13 @@ def test_tensorboard_and_result_json(tmp_path):
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     tags = set(events.Tags()["scalars"])
+    by_samples = EventAccumulator(str(tmp_path / "by_samples"))
+    by_samples.Reload()
     for tag in ("train/loss", "train/lr", "train/global_batch", "val/loss", "val/acc", "perf/samples_per_sec"):
-        assert tag in tags and f"by_samples/{tag}" in tags
+        assert tag in tags and tag in by_samples.Tags()["scalars"]
     val_acc = events.Scalars("val/acc")
     assert [e.step for e in val_acc] == [8, 16, 24]  # 512 samples / 64 per step = 8 steps per epoch
-    assert [e.step for e in events.Scalars("by_samples/val/acc")] == [512, 1024, 1536]
+    assert [e.step for e in by_samples.Scalars("val/acc")] == [512, 1024, 1536]
     assert val_acc[-1].value == result["final_val_acc"]
     assert all(e.value == 64 for e in events.Scalars("train/global_batch"))
     # cosine decay from optim.lr (0.1) towards 0, logged before each step
@@ -55,3 +57,14 @@ def test_validation_split_keeps_test_for_the_end(tmp_path):
     result = train(tmp_path, ["model=mlp", "trainer.epochs=1", "data.val_fraction=0.25"])
     assert result["test_acc"] is not None and result["test_loss"] is not None
     assert result["samples_seen"] == (384 // 64) * 64  # 512 - 128 held out
+
+
+def test_step_time_split_for_real_processes(tmp_path):
+    result = train(tmp_path, ["model=mlp", "trainer.epochs=1", "dist.world_size=2", "dist.procs=2",
+                              "trainer.log_every=2"])
+    assert set(result["step_seconds"]) == {"data_s", "compute_s", "comm_s", "optimizer_s"}
+    assert all(v > 0 for v in result["step_seconds"].values())
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    for tag in ("perf/data_s", "perf/compute_s", "perf/comm_s", "perf/optimizer_s"):
+        assert tag in events.Tags()["scalars"]

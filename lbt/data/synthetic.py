@@ -7,6 +7,10 @@ import math
 import torch
 
 from lbt.data.base import DataSplits, InMemoryDataset, split_validation
+from lbt.errors import ConfigError
+
+# A dataset for tests and quick checks: bigger requests are mistakes.
+MAX_SAMPLES = 1_000_000
 
 
 def build_synthetic(
@@ -25,6 +29,13 @@ def build_synthetic(
     Everything comes from one generator seeded by `seed`, never the global RNG,
     so the data does not depend on what ran before.
     """
+    for key, value, limit in (("num_train", num_train, MAX_SAMPLES), ("num_test", num_test, MAX_SAMPLES),
+                              ("num_classes", num_classes, 100_000)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+            raise ConfigError(f"data.{key} must be an integer from 1 to {limit:,}, got {value!r}")
+    if not input_shape or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in input_shape) \
+            or math.prod(input_shape) > 1_000_000:
+        raise ConfigError(f"data.input_shape must be positive integers (at most 1M values), got {input_shape!r}")
     input_shape = tuple(int(s) for s in input_shape)
     gen = torch.Generator().manual_seed(seed)
     teacher = torch.randn(math.prod(input_shape), num_classes, generator=gen)

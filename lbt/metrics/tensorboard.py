@@ -1,8 +1,10 @@
 """TensorBoard logging, on the main process only.
 
-Every scalar is written twice: against optimizer steps (`train/loss`) and
-against samples seen (`by_samples/train/loss`), so runs with different global
-batches line up on the second axis.
+Scalars go to the run folder against optimizer steps, and to the run's
+`by_samples/` folder, same tags, against samples seen: TensorBoard shows the
+two as runs `.` and `by_samples`, and runs with different global batches line
+up on the second. A resumed run purges what the killed run logged after its
+checkpoint, so no step appears twice.
 """
 
 from __future__ import annotations
@@ -14,16 +16,21 @@ from torch.utils.tensorboard.summary import hparams as hparams_summary
 
 
 class RunLogger:
-    def __init__(self, run_dir: str | Path | None):
+    def __init__(self, run_dir: str | Path | None, resume_step: int = 0, resume_samples: int = 0):
         # Non-main processes pass None and log nothing.
-        self.writer = SummaryWriter(str(run_dir)) if run_dir is not None else None
+        self.writer = self.samples_writer = None
+        if run_dir is not None:
+            purge = {"purge_step": resume_step + 1} if resume_step else {}
+            purge_samples = {"purge_step": resume_samples + 1} if resume_step else {}
+            self.writer = SummaryWriter(str(run_dir), **purge)
+            self.samples_writer = SummaryWriter(str(Path(run_dir) / "by_samples"), **purge_samples)
 
     def scalars(self, values: dict[str, float], step: int, samples_seen: int) -> None:
         if self.writer is None:
             return
         for tag, value in values.items():
             self.writer.add_scalar(tag, value, step)
-            self.writer.add_scalar(f"by_samples/{tag}", value, samples_seen)
+            self.samples_writer.add_scalar(tag, value, samples_seen)
 
     def hparams(self, params: dict, metrics: dict[str, float]) -> None:
         """One row of TensorBoard's HParams table for this run."""
@@ -37,7 +44,13 @@ class RunLogger:
         for tag, value in metrics.items():
             self.writer.add_scalar(tag, value)
 
+    def flush(self) -> None:
+        for writer in (self.writer, self.samples_writer):
+            if writer is not None:
+                writer.flush()
+
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.flush()
-            self.writer.close()
+        for writer in (self.writer, self.samples_writer):
+            if writer is not None:
+                writer.flush()
+                writer.close()

@@ -62,6 +62,8 @@ class Technique:
     # True: the trainer back-propagates a process's first worker on its own
     # and calls on_worker_gradient with that single worker's gradient.
     wants_worker_gradient: ClassVar[bool] = False
+    # True: on_ddp registers a DDP communication hook (DDP takes only one).
+    replaces_comm_hook: ClassVar[bool] = False
 
     def on_model(self, model: nn.Module) -> nn.Module:
         return model
@@ -97,6 +99,13 @@ class Technique:
         """After the step's gradient is averaged over all workers, before optimizer.step()."""
 
     def before_eval(self, model: nn.Module) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        """What a checkpoint must keep for an exact resume (plain values and tensors)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
         pass
 
     def metrics(self) -> dict[str, float]:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from lbt.techniques.base import Technique
 
-_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+# _BatchNorm also covers the per-worker (ghost) BN that fused simulation and
+# ghost_bn put in place of nn.BatchNorm*d, whichever technique runs first.
+_BATCH_NORMS = (_BatchNorm,)
 
 
 def use_cumulative_average(model: nn.Module) -> int:

@@ -58,6 +58,7 @@ def compressed_bytes(shape: tuple[int, ...], kind: str, rank: int = 1, min_compr
 class CommCompression(Technique):
     """Register a DDP communication hook compressing the gradient allreduce."""
 
+    replaces_comm_hook = True
     name = "comm_compression"
     order = 50
 

@@ -83,6 +83,7 @@ class GradientNoiseScale(Technique):
     name = "gns"
     order = 80
     wants_worker_gradient = True
+    replaces_comm_hook = True
 
     def __init__(self, ema_decay: float = 0.95, finite_population: bool = True):
         self.estimator = NoiseScaleEstimator(ema_decay)
@@ -127,6 +128,14 @@ class GradientNoiseScale(Technique):
 
     def metrics(self) -> dict[str, float]:
         return self.estimator.state()
+
+    def state_dict(self) -> dict:
+        e = self.estimator
+        return {"grad_sq": e.grad_sq, "trace": e.trace, "weight": e.weight}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self.estimator, key, value)
 
     def describe(self) -> str:
         return "gradient noise scale (B_simple)"

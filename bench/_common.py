@@ -1,0 +1,200 @@
+"""Helpers shared by the speed benchmarks (bench/overhead.py, peers.py, simulation.py, ...).
+
+lbt is always measured through its real code path: the config is composed by
+Hydra exactly as `lbt train OVERRIDES` composes it, and `lbt.train.run` trains
+(TensorBoard logging, LR schedule, run folder and all). Its `samples_per_sec`
+counts training steps only: evaluation and process start-up are excluded.
+
+Ratios are measured side by side: the contenders of a comparison run in turns
+inside one loop of repeats, so a load that comes and goes on the machine hits
+them alike, and each figure is the median over the repeats.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # `python bench/NAME.py` from a checkout
+    sys.path.insert(0, str(REPO))
+
+# Quiet CPU runs; every bench override list starts with these.
+LBT_BASE = ["trainer.progress=false", "trainer.device=cpu"]
+
+
+def compose(overrides: list[str]) -> tuple[dict, str | None]:
+    """The resolved config as a plain dict (as `lbt train OVERRIDES` composes it) and the recipe name."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf, open_dict
+
+    import lbt.train  # noqa: F401  (registers the config schemas with Hydra's ConfigStore)
+    from lbt.paths import conf_dir
+
+    with initialize_config_dir(str(conf_dir()), version_base="1.3", job_name="bench"):
+        cfg = hydra_compose("config", overrides=list(overrides), return_hydra_config=True)
+    recipe = cfg.hydra.runtime.choices.get("recipe")
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return OmegaConf.to_container(cfg, resolve=True), recipe
+
+
+def run_lbt(overrides: list[str], quiet: bool = True) -> dict:
+    """One `lbt.train.run` in this process (procs=1) or spawned workers (procs>1); returns result.json's dict."""
+    from lbt.train import run
+
+    config, recipe = compose(LBT_BASE + list(overrides))
+    with tempfile.TemporaryDirectory(prefix="lbt-bench-") as run_dir:
+        sink = io.StringIO()
+        with contextlib.redirect_stdout(sink) if quiet else contextlib.nullcontext():
+            result = run(config, run_dir, recipe=recipe, overrides=list(overrides))
+    return result
+
+
+def run_lbt_subprocess(overrides: list[str], timeout: float = 900) -> dict:
+    """One `python -m lbt.train OVERRIDES` in a fresh process (as a user runs it); returns result.json."""
+    with tempfile.TemporaryDirectory(prefix="lbt-bench-") as run_dir:
+        args = [sys.executable, "-m", "lbt.train", *LBT_BASE, *overrides, f"hydra.run.dir={run_dir}"]
+        done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        path = Path(run_dir) / "result.json"
+        if done.returncode != 0 or not path.exists():
+            raise RuntimeError(f"{' '.join(args)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        return json.loads(path.read_text())
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def spread(values: list[float]) -> str:
+    """`median (min-max, n=5)`, the way every table shows a repeated figure."""
+    if not values:
+        return "n/a"
+    return f"{median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f}, n={len(values)})"
+
+
+def load_average() -> tuple[float, float, float]:
+    try:
+        return os.getloadavg()
+    except OSError:
+        return (float("nan"),) * 3
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def describe_machine() -> str:
+    import torch
+
+    load = load_average()
+    return (
+        f"machine: {os.cpu_count()} cores ({cpu_model()}), torch {torch.__version__}, "
+        f"threads={torch.get_num_threads()}, python {platform.python_version()}, "
+        f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start"
+    )
+
+
+class LoadWatch:
+    """Samples the 1-minute load average during a benchmark, to say whether the machine was busy.
+
+    The benchmark itself keeps up to `own` cores busy; a load average well above
+    that means other work shared the CPU while we measured.
+    """
+
+    def __init__(self, own: float):
+        self.own = own
+        self.samples: list[float] = []
+        self.started = time.time()
+
+    def sample(self) -> None:
+        self.samples.append(load_average()[0])
+
+    def verdict(self) -> str:
+        if not self.samples:
+            self.sample()
+        peak = max(self.samples)
+        busy = peak > self.own + 0.75
+        state = "LOADED by other work" if busy else "quiet"
+        return (f"load average during the run: median {median(self.samples):.2f}, max {peak:.2f} "
+                f"(this benchmark alone: ~{self.own:g}) -> machine {state}")
+
+
+def headline(name: str, value: float | str) -> None:
+    """The last line of every bench script: `name=value`."""
+    text = f"{value:.3f}" if isinstance(value, float) else str(value)
+    print(f"{name}={text}", flush=True)
+
+
+class Case:
+    """One training setup both lbt and a contender run: model + data + per-worker batch, as lbt overrides."""
+
+    def __init__(self, name: str, overrides: list[str], batch: int, steps: int, quick_steps: int):
+        self.name, self.overrides, self.batch = name, overrides, batch
+        self.steps, self.quick_steps = steps, quick_steps
+
+    def lbt_overrides(self, steps: int, extra: list[str] = ()) -> list[str]:
+        # One epoch capped at `steps`: the run ends after `steps` optimizer steps at world_size 1.
+        return [*self.overrides, f"trainer.per_worker_batch={self.batch}", "dist.world_size=1", "dist.procs=1",
+                "trainer.epochs=1", f"trainer.max_steps={steps}", *extra]
+
+
+# MNIST-1D is 60,000 x 40 (the real data set, generated once and cached);
+# resnet20 trains on synthetic CIFAR-shaped inputs (3 x 32 x 32, 10 classes).
+CASES = {
+    "cnn1d": Case("cnn1d", ["model=cnn1d", "data=mnist1d"], batch=64, steps=300, quick_steps=100),
+    "resnet20": Case("resnet20", ["model=resnet20", "data=synthetic", "data.input_shape=[3,32,32]",
+                                  "data.num_train=4096", "data.num_test=256"], batch=64, steps=20, quick_steps=6),
+}
+
+
+def build_data(config: dict):
+    """The data splits of a resolved lbt config (in memory for mnist1d and synthetic)."""
+    from hydra.utils import instantiate
+
+    return instantiate(config["data"])
+
+
+def build_model(config: dict, data):
+    """Model, optimizer and loss from a resolved lbt config, the way lbt/train.py builds them."""
+    import torch
+    from hydra.utils import instantiate
+
+    torch.manual_seed(config["trainer"]["seed"])
+    model = instantiate(config["model"], input_shape=tuple(data.input_shape), num_classes=data.num_classes)
+    optimizer = instantiate(config["optim"])(model.parameters())
+    return model, optimizer, torch.nn.CrossEntropyLoss()
+
+
+def interleaved(contenders: dict, repeats: int, watch: "LoadWatch | None" = None) -> dict[str, list[float]]:
+    """Run every contender (name -> fn returning samples/s) once per repeat, in an order that
+    alternates (ABBA...) so drift in the machine's load hits them alike; returns name -> values."""
+    names = list(contenders)
+    values: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            values[name].append(contenders[name]())
+            if watch is not None:
+                watch.sample()
+    return values
+
+
+def pair_ratios(numerator: list[float], denominator: list[float]) -> list[float]:
+    return [a / b for a, b in zip(numerator, denominator)]

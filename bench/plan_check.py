@@ -1,0 +1,195 @@
+"""Does `lbt plan`'s cost model predict this machine? Predicted vs measured step time, P=1 and P=2.
+
+    python bench/plan_check.py            # 5 interleaved repeats
+    python bench/plan_check.py --quick    # under 2 minutes: 2 repeats, fewer steps
+
+cnn1d on MNIST-1D at a fixed per-worker batch b (default 64), one thread per
+process (lbt's default for P=2 on 2 cores: the cores are shared out):
+- predicted (lbt/plan.py): compute = `profile_compute("cnn1d", b, threads=1)`
+  (forward + backward + SGD step on random data) run in P processes at once,
+  as the P workers share this machine's cores and memory, network =
+  the loopback gloo link as bench/allreduce.py measures and fits it
+  (bandwidth, latency), step = compute + ring_allreduce(4 x params bytes, W=P);
+- measured: `python -m lbt.train model=cnn1d dist.world_size=P dist.procs=P
+  trainer.per_worker_batch=b` (fresh processes), step = global_batch / samples_per_sec.
+Each repeat profiles, measures the network, then runs P=1 and P=2, so a
+changing load on the machine hits prediction and measurement alike.
+`--diagnose` adds where a 2-process step's time goes beyond compute: two
+processes train cnn1d in lockstep without DDP (compute only), with a barrier
+per step, with an allreduce of the flat gradient per step, and under DDP.
+The last line is `plan_error=<max relative error over P=1, P=2 of the median step times>` (target <= 0.25).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import LoadWatch, describe_machine, headline, median, run_lbt_subprocess  # noqa: E402
+from allreduce import loopback_network  # noqa: E402
+
+from lbt.plan import gradient_bytes, profile_compute, ring_allreduce_seconds, step_seconds  # noqa: E402
+
+
+def _profile_worker(rank: int, b: int, repeats: int, out_dir: str) -> None:
+    compute = profile_compute("cnn1d", b, threads=1, repeats=repeats)
+    Path(out_dir, f"{rank}.json").write_text(json.dumps({"total_s": compute.total_s, "params": compute.num_params}))
+
+
+def concurrent_compute(procs: int, b: int, repeats: int) -> tuple[float, int]:
+    """Per-worker compute (s) with `procs` workers profiling at once in fresh processes; and the parameter count."""
+    with tempfile.TemporaryDirectory(prefix="lbt-plan-check-") as out_dir:
+        mp.start_processes(_profile_worker, args=(b, repeats, out_dir), nprocs=procs, join=True,
+                           start_method="spawn")
+        results = [json.loads(Path(out_dir, f"{r}.json").read_text()) for r in range(procs)]
+    return statistics.mean(r["total_s"] for r in results), results[0]["params"]
+
+
+def _lockstep_worker(rank: int, port: int, b: int, steps: int, rounds: int, out_dir: str) -> None:
+    import time
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lbt.models import CNN1d
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # DDP's broadcast_buffers rename
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    x_all, y_all = torch.randn(steps * b, 40), torch.randint(0, 10, (steps * b,))
+    modes = ("compute only", "+ barrier per step", "+ allreduce of the flat gradient", "DDP")
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    for _ in range(rounds):
+        for mode in modes:
+            torch.manual_seed(0)
+            model = CNN1d(input_shape=(40,))
+            net = DistributedDataParallel(model, broadcast_buffers=False) if mode == "DDP" else model
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+            dist.barrier()
+            start = time.perf_counter()
+            for step in range(steps):
+                optimizer.zero_grad(set_to_none=True)
+                F.cross_entropy(net(x_all[step * b:(step + 1) * b]), y_all[step * b:(step + 1) * b]).backward()
+                if mode == "+ barrier per step":
+                    dist.barrier()
+                elif mode == "+ allreduce of the flat gradient":
+                    dist.all_reduce(torch.cat([q.grad.flatten() for q in model.parameters()]))
+                optimizer.step()
+            times[mode].append((time.perf_counter() - start) / steps)
+            dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(out_dir, "lockstep.json").write_text(json.dumps(times))
+
+
+def lockstep(b: int, steps: int, rounds: int) -> dict[str, float]:
+    """Median seconds per step of 2 processes in lockstep, by what they synchronise (see --diagnose)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False)
+    with tempfile.TemporaryDirectory(prefix="lbt-plan-check-") as out_dir:
+        mp.start_processes(_lockstep_worker, args=(store.port, b, steps, rounds, out_dir), nprocs=2, join=True,
+                           start_method="spawn")
+        times = json.loads(Path(out_dir, "lockstep.json").read_text())
+    return {mode: statistics.median(v) for mode, v in times.items()}
+
+
+def measured_step(procs: int, b: int, steps: int) -> tuple[float, dict]:
+    """lbt's step time (s) and its own per-phase means (result.json step_seconds)."""
+    result = run_lbt_subprocess([
+        "model=cnn1d", "data=mnist1d", f"dist.world_size={procs}", f"dist.procs={procs}",
+        f"trainer.per_worker_batch={b}", "trainer.threads=1", "trainer.epochs=1", f"trainer.max_steps={steps}",
+    ])
+    return result["global_batch"] / result["samples_per_sec"], result.get("step_seconds") or {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="2 repeats, fewer steps (under 2 minutes)")
+    parser.add_argument("--repeats", type=int, help="interleaved repeats (default 5, quick 2)")
+    parser.add_argument("--per-worker-batch", "-b", type=int, default=64)
+    parser.add_argument("--steps", type=int, help="optimizer steps per measured run (default 400, quick 120)")
+    parser.add_argument("--diagnose", action="store_true",
+                        help="also time 2 processes in lockstep: compute only, + barrier, + allreduce, DDP")
+    args = parser.parse_args(argv)
+    b = args.per_worker_batch
+    repeats = args.repeats or (2 if args.quick else 5)
+    steps = args.steps or (120 if args.quick else 400)
+    print(describe_machine(), flush=True)
+    watch = LoadWatch(own=2)
+    keys = ("compute1", "compute2", "allreduce", "pred1", "pred2", "meas1", "meas2")
+    rows: dict[str, list[float]] = {k: [] for k in keys}
+    phases: dict[int, list[dict]] = {1: [], 2: []}
+    nbytes = None
+    profile_steps = 60 if args.quick else 200
+    for r in range(repeats):
+        compute1, params = concurrent_compute(1, b, profile_steps)
+        compute2, _ = concurrent_compute(2, b, profile_steps)
+        nbytes = gradient_bytes(params)
+        bandwidth, latency = loopback_network(quick=True, rounds=1)
+        comm = ring_allreduce_seconds(nbytes, 2, bandwidth, latency)
+        rows["compute1"].append(compute1)
+        rows["compute2"].append(compute2)
+        rows["allreduce"].append(comm)
+        rows["pred1"].append(step_seconds(compute1, 0.0))
+        rows["pred2"].append(step_seconds(compute2, comm))
+        order = (1, 2) if r % 2 == 0 else (2, 1)
+        for p in order:
+            seconds, breakdown = measured_step(p, b, steps)
+            rows[f"meas{p}"].append(seconds)
+            phases[p].append(breakdown)
+            watch.sample()
+        print(f"repeat {r + 1}/{repeats}: compute {compute1 * 1e3:.2f} ms alone, {compute2 * 1e3:.2f} ms 2 at once; "
+              f"loopback {bandwidth / 1e9:.2f} GB/s "
+              f"+ {latency * 1e6:.0f} us -> allreduce of {nbytes / 1e3:.0f} kB {comm * 1e3:.2f} ms; "
+              f"predicted P=1 {rows['pred1'][-1] * 1e3:.2f} ms, P=2 {rows['pred2'][-1] * 1e3:.2f} ms; "
+              f"measured P=1 {rows['meas1'][-1] * 1e3:.2f} ms, P=2 {rows['meas2'][-1] * 1e3:.2f} ms", flush=True)
+    print()
+    print(f"cnn1d, per_worker_batch={b}, 1 thread per process, {nbytes / 1e3:.0f} kB of gradient, "
+          f"{steps} steps per measured run, median of {repeats} repeats:")
+    print("| procs P (= W) | predicted step | of which compute | of which allreduce | measured step (lbt) | error |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    errors = []
+    for p in (1, 2):
+        pred, meas = median(rows[f"pred{p}"]), median(rows[f"meas{p}"])
+        error = (pred - meas) / meas
+        errors.append(abs(error))
+        comm = median(rows["allreduce"]) if p == 2 else 0.0
+        print(f"| {p} | {pred * 1e3:.2f} ms | {median(rows[f'compute{p}']) * 1e3:.2f} ms | {comm * 1e3:.2f} ms | "
+              f"{meas * 1e3:.2f} ms | {error:+.1%} |")
+    print("(medians over the repeats, column by column: they need not add up exactly; "
+          "error = (predicted - measured) / measured, negative: the model is optimistic)")
+    for p in (1, 2):
+        keys = sorted({k for d in phases[p] for k in d})
+        if keys:
+            print(f"lbt's own timer at P={p} (median ms per step): "
+                  + ", ".join(f"{k[:-2]} {median([d[k] for d in phases[p] if k in d]) * 1e3:.2f}" for k in keys)
+                  + ("  (compute includes the allreduce wait the backward could not hide)" if p == 2 else ""))
+    if args.diagnose:
+        print(f"\nwhere a P=2 step goes (2 processes in lockstep, cnn1d b={b}, 1 thread each, {steps} steps, "
+              f"median of {repeats} rounds):")
+        print("| what both processes do per step | ms per step |")
+        print("| --- | --- |")
+        for mode, seconds in lockstep(b, steps, repeats).items():
+            print(f"| {mode} | {seconds * 1e3:.2f} |")
+        watch.sample()
+    print(watch.verdict())
+    worst = max(errors)
+    print(f"target |error| <= 25%: {'met' if worst <= 0.25 else 'MISSED'}")
+    headline("plan_error", worst)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""What simulating W workers costs: samples/s at a fixed global batch, W simulated workers vs one.
+
+    python bench/simulation.py            # full: B=4096, W=1,4,16,64,128, 5 interleaved repeats
+    python bench/simulation.py --quick    # under 2 minutes: 3 steps per run, 2 repeats
+    python bench/simulation.py --global-batch 8192 --threads 2
+
+cnn1d on MNIST-1D, global batch B fixed, per_worker_batch = B / W, all W
+simulated on one process, through `lbt.train.run`:
+- fused (the default, dist.fuse_workers=true): one forward/backward over the
+  B samples, BatchNorm statistics per b-sample worker chunk;
+- sequential (dist.fuse_workers=false): W forward/backward passes of b samples;
+both relative to W=1 (one worker of batch B) in the same repeat. Target: fused
+>= 0.8 of W=1 at every W. Warm-up excluded (one short unmeasured run per
+configuration); configurations alternate order between repeats.
+
+Then real processes on this machine (each a fresh `python -m lbt.train`, so
+start-up is excluded but each run's first step is cold, alike for all):
+W=2 on P=2 processes (gloo over loopback, cores split between them) against
+W=2 simulated on P=1 and W=1 on P=1, at the same B.
+The last line is `simulation_ratio=<worst fused W's median ratio to W=1>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (  # noqa: E402
+    LoadWatch, describe_machine, headline, interleaved, median, pair_ratios, run_lbt, run_lbt_subprocess, spread,
+)
+
+WORLD_SIZES = [4, 16, 64, 128]
+BASE = ["model=cnn1d", "data=mnist1d", "trainer.epochs=1"]
+
+
+def overrides(world_size: int, global_batch: int, steps: int, threads: int, fused: bool = True,
+              procs: int = 1) -> list[str]:
+    return [*BASE, f"dist.world_size={world_size}", f"dist.procs={procs}", f"trainer.global_batch={global_batch}",
+            f"trainer.max_steps={steps}", f"dist.fuse_workers={str(fused).lower()}"] + \
+        ([f"trainer.threads={threads}"] if threads else [])
+
+
+def in_process(args: list[str], steps: int):
+    def run() -> float:
+        result = run_lbt(args)
+        if result["steps"] != steps:
+            raise RuntimeError(f"{args}: ran {result['steps']} steps, expected {steps}")
+        return float(result["samples_per_sec"])
+    return run
+
+
+def fresh_process(args: list[str]):
+    return lambda: float(run_lbt_subprocess(args)["samples_per_sec"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="3 steps per run, 2 repeats (under 2 minutes)")
+    parser.add_argument("--repeats", type=int, help="interleaved repeats (default 5, quick 2)")
+    parser.add_argument("--global-batch", type=int, default=4096)
+    parser.add_argument("--steps", type=int, help="optimizer steps per run (default: one epoch, quick 3)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads for the simulated runs (default 1: see bench/README.md, ## Speed)")
+    parser.add_argument("--no-sequential", action="store_true", help="skip dist.fuse_workers=false")
+    parser.add_argument("--no-procs", action="store_true", help="skip the real P=2 vs P=1 comparison")
+    args = parser.parse_args(argv)
+    B = args.global_batch
+    repeats = args.repeats or (2 if args.quick else 5)
+    steps = args.steps or (3 if args.quick else 60000 // B)
+    print(describe_machine(), flush=True)
+    watch = LoadWatch(own=args.threads)
+
+    contenders = {"W=1": in_process(overrides(1, B, steps, args.threads), steps)}
+    for w in WORLD_SIZES:
+        contenders[f"W={w} fused"] = in_process(overrides(w, B, steps, args.threads), steps)
+    if not args.no_sequential:
+        for w in WORLD_SIZES:
+            contenders[f"W={w} sequential"] = in_process(overrides(w, B, steps, args.threads, fused=False), steps)
+    print("warm-up: one unmeasured step per configuration ...", flush=True)
+    for w in [1, *WORLD_SIZES]:
+        run_lbt(overrides(w, B, 1, args.threads))
+        if w > 1 and not args.no_sequential:
+            run_lbt(overrides(w, B, 1, args.threads, fused=False))
+    print(f"simulated workers: global batch {B}, {steps} steps per run, {args.threads} thread(s), "
+          f"{repeats} interleaved repeats ...", flush=True)
+    values = interleaved(contenders, repeats, watch)
+    print()
+    print("| configuration | per_worker_batch | samples/s | / W=1 (median of per-repeat ratios) |")
+    print("| --- | --- | --- | --- |")
+    ratios: dict[str, float] = {}
+    for name, vals in values.items():
+        w = int(name.split()[0][2:])
+        per_pair = pair_ratios(vals, values["W=1"])
+        ratios[name] = median(per_pair)
+        print(f"| {name} | {B // w} | {spread(vals)} | {ratios[name]:.3f} (min {min(per_pair):.3f}) |")
+    fused = {k: v for k, v in ratios.items() if "fused" in k}
+    worst = min(fused, key=fused.get)
+
+    if not args.no_procs:
+        p_steps = steps if args.quick else 2 * steps
+        p_repeats = 1 if args.quick else repeats
+        cores = os.cpu_count() or 1
+        procs = {
+            "W=2 on P=2 (1 thread each)": fresh_process(overrides(2, B, p_steps, 0, procs=2)),
+            f"W=2 on P=1 ({cores} threads)": fresh_process(overrides(2, B, p_steps, cores)),
+            f"W=1 on P=1 ({cores} threads)": fresh_process(overrides(1, B, p_steps, cores)),
+        }
+        if not args.quick:
+            procs["W=2 on P=1 (1 thread)"] = fresh_process(overrides(2, B, p_steps, 1))
+        print(f"\nreal processes: global batch {B}, {p_steps} steps per run, fresh processes, "
+              f"{p_repeats} interleaved repeat(s) ...", flush=True)
+        pv = interleaved(procs, p_repeats, watch)
+        reference = f"W=2 on P=1 ({cores} threads)"
+        print(f"| configuration | samples/s | / {reference} |")
+        print("| --- | --- | --- |")
+        for name, vals in pv.items():
+            print(f"| {name} | {spread(vals)} | {median(pair_ratios(vals, pv[reference])):.3f} |")
+    print(watch.verdict())
+    print(f"worst fused: {worst} ({fused[worst]:.3f}); target >= 0.8: {'met' if fused[worst] >= 0.8 else 'MISSED'}")
+    headline("simulation_ratio", fused[worst])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,537 @@
+"""`lbt plan`: how long one epoch takes on W workers, before you rent them.
+
+A cost model of one step of synchronous data-parallel SGD (every worker
+computes its per-worker batch b, then the gradients are averaged by a ring
+allreduce), evaluated for W = 1, 2, 4, ... workers:
+
+    compute   = forward + backward + optimizer step of ONE worker at batch b (measured)
+    allreduce = 2 (W-1)/W x bytes / bandwidth + 2 (W-1) x latency       (ring, Patarasuk & Yuan 2009)
+    step      = compute + allreduce - hidden,  hidden = min(allreduce, overlap x backward)
+    epoch     = N / (b W) x step
+
+bytes = 4 x parameters (fp32 gradients; halved by fp16/bf16 compression).
+With W workers an epoch takes N/(bW) steps instead of N/b, so adding workers
+pays only while allreduce(W) stays small against the compute it divides:
+speedup(W) = epoch(1) / epoch(W), efficiency = speedup / W. Past the critical
+batch (global batch b W > B_crit) the extra workers also cost accuracy.
+
+No Hydra here: pure functions for the formulas (unit-tested), a short
+profiling run for the compute time, and `plan_main(argv)` for the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+BYTES_PER_FP32 = 4
+# Backward costs about twice the forward (one matmul for the input gradient,
+# one for the weight gradient), so ~2/3 of a step's compute; used when the
+# backward time was not measured (from a result.json).
+DEFAULT_BACKWARD_SHARE = 2.0 / 3.0
+
+
+@dataclass(frozen=True)
+class Network:
+    name: str
+    bandwidth_gbps: float  # per-direction bandwidth each worker can push, gigabits/s
+    latency_us: float  # per message (one ring hop), microseconds
+    source: str
+
+    @property
+    def bandwidth_bytes_per_s(self) -> float:
+        return self.bandwidth_gbps * 1e9 / 8
+
+    @property
+    def latency_s(self) -> float:
+        return self.latency_us * 1e-6
+
+
+# Typical values: link data rates per direction and small-message latencies as
+# vendors and common benchmarks state them. They are upper bounds on what an
+# allreduce reaches (NCCL typically gets 80-95% of the link rate, TCP less):
+# measure yours (bench/allreduce.py, nccl-tests) and pass --bandwidth-gbps/--latency-us.
+NETWORKS: dict[str, Network] = {
+    n.name: n
+    for n in (
+        Network("nvlink", 2400.0, 5.0,
+                "NVLink 3 (A100): 600 GB/s total = 300 GB/s per direction (NVIDIA A100 datasheet); "
+                "nccl-tests show ~10-15 us for a tiny 2-GPU allreduce"),
+        Network("ib-fdr", 54.5, 0.7,
+                "InfiniBand FDR 4x: 56 Gb/s signalling, 54.5 Gb/s data (64b/66b); ~0.7 us MPI latency "
+                "(Mellanox ConnectX-3)"),
+        Network("100g", 97.0, 0.6,
+                "100 Gb/s InfiniBand EDR 4x: 97 Gb/s data (64b/66b); ~0.6 us latency (ConnectX-4/5)"),
+        Network("25gbe", 25.0, 10.0,
+                "25 Gigabit Ethernet, TCP/IP (gloo, NCCL socket): ~10 us one-way through the kernel stack"),
+        Network("10gbe", 10.0, 10.0,
+                "10 Gigabit Ethernet, TCP/IP: ~7-10 us one-way latency"),
+        Network("1gbe", 1.0, 50.0,
+                "Gigabit Ethernet, TCP/IP: ~50 us one-way latency (ping round trips ~0.1 ms)"),
+    )
+}
+
+
+# -- the formulas ---------------------------------------------------------------
+def ring_allreduce_seconds(nbytes: float, workers: int, bandwidth_bytes_per_s: float, latency_s: float) -> float:
+    """Time of a ring allreduce of `nbytes` over `workers` (0 for one worker).
+
+    Reduce-scatter then all-gather: 2 (W-1) steps, each sending one W-th of the
+    buffer to the next worker, so every worker sends 2 (W-1)/W x nbytes and
+    waits for 2 (W-1) messages.
+    """
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    if workers == 1:
+        return 0.0
+    return 2 * (workers - 1) / workers * nbytes / bandwidth_bytes_per_s + 2 * (workers - 1) * latency_s
+
+
+def step_seconds(compute_s: float, allreduce_s: float, overlap: float = 0.0, backward_s: float | None = None) -> float:
+    """One synchronous step: compute, plus the allreduce time not hidden behind the backward pass.
+
+    `overlap` in [0, 1] is the fraction of the backward during which gradients
+    already travel (DDP sends a bucket as soon as its gradients are ready):
+    at most overlap x backward_s of the allreduce is hidden. `backward_s`
+    defaults to 2/3 of the compute.
+    """
+    if not 0.0 <= overlap <= 1.0:
+        raise ValueError(f"overlap must be in [0, 1], got {overlap}")
+    if backward_s is None:
+        backward_s = DEFAULT_BACKWARD_SHARE * compute_s
+    hidden = min(allreduce_s, overlap * backward_s)
+    return compute_s + allreduce_s - hidden
+
+
+def epoch_seconds(step_s: float, train_samples: int, global_batch: int) -> float:
+    """N / B steps of `step_s` (fractional: lbt drops the last partial batch, N // B steps)."""
+    return train_samples / global_batch * step_s
+
+
+def gradient_bytes(num_params: int, compression: str = "none") -> float:
+    """Bytes one worker's gradient takes on the wire: fp32, or half with fp16/bf16 compression."""
+    if compression not in ("none", "fp16", "bf16"):
+        raise ValueError(f"compression must be none, fp16 or bf16, got {compression!r}")
+    return num_params * BYTES_PER_FP32 * (0.5 if compression != "none" else 1.0)
+
+
+def worker_counts(max_workers: int) -> list[int]:
+    """1, 2, 4, ... up to max_workers (max_workers itself included)."""
+    if max_workers < 1:
+        raise ValueError(f"--max-workers must be >= 1, got {max_workers}")
+    counts, w = [], 1
+    while w < max_workers:
+        counts.append(w)
+        w *= 2
+    return counts + [max_workers]
+
+
+@dataclass(frozen=True)
+class Compute:
+    """One worker's compute per step at its per-worker batch."""
+
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    per_worker_batch: int
+    num_params: int
+    source: str
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + self.backward_s + self.optimizer_s
+
+
+@dataclass(frozen=True)
+class Row:
+    workers: int
+    global_batch: int
+    compute_s: float
+    allreduce_s: float
+    step_s: float
+    epoch_s: float
+    speedup: float
+    efficiency: float
+    slower: bool  # the epoch takes longer than with the previous (smaller) W
+    beyond_critical: bool  # b x W > critical batch
+    beyond_dataset: bool  # b x W > N: not even one step per epoch
+
+
+def plan_rows(
+    compute: Compute,
+    network: Network,
+    workers: list[int],
+    train_samples: int,
+    compression: str = "none",
+    overlap: float = 0.0,
+    critical_batch: float | None = None,
+) -> list[Row]:
+    """The table over W: step and epoch time, speedup vs W=1 and scaling efficiency."""
+    nbytes = gradient_bytes(compute.num_params, compression)
+    b = compute.per_worker_batch
+    base_epoch = epoch_seconds(compute.total_s, train_samples, b)  # W=1: no communication
+    rows: list[Row] = []
+    for w in workers:
+        comm = ring_allreduce_seconds(nbytes, w, network.bandwidth_bytes_per_s, network.latency_s)
+        step = step_seconds(compute.total_s, comm, overlap, compute.backward_s)
+        epoch = epoch_seconds(step, train_samples, b * w)
+        speedup = base_epoch / epoch
+        rows.append(Row(
+            workers=w, global_batch=b * w, compute_s=compute.total_s, allreduce_s=comm, step_s=step,
+            epoch_s=epoch, speedup=speedup, efficiency=speedup / w,
+            slower=bool(rows) and epoch > rows[-1].epoch_s,
+            beyond_critical=critical_batch is not None and b * w > critical_batch,
+            beyond_dataset=b * w > train_samples,
+        ))
+    return rows
+
+
+# -- compute time -----------------------------------------------------------------
+# The models `--model` knows, with the input shape of the data they are meant for.
+MODELS = {
+    "cnn1d": ("lbt.models.CNN1d", (40,)),
+    "mlp": ("lbt.models.MLP", (40,)),
+    "resnet20": ("lbt.models.ResNet20", (3, 32, 32)),
+}
+
+
+def _locate(target: str):
+    module, _, name = target.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def profile_compute(
+    model_name: str,
+    per_worker_batch: int,
+    input_shape: tuple[int, ...] | None = None,
+    num_classes: int = 10,
+    threads: int | None = None,
+    repeats: int = 20,
+    warmup: int = 3,
+    model_kwargs: dict | None = None,
+) -> Compute:
+    """Median forward, backward and SGD-step time of one worker at its batch, on random data (CPU)."""
+    import torch
+
+    target, default_shape = MODELS[model_name] if model_name in MODELS else (model_name, None)
+    shape = tuple(input_shape or default_shape or ())
+    if not shape:
+        raise ValueError(f"give --input-shape for model {model_name!r}")
+    previous_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = _locate(target)(input_shape=shape, num_classes=num_classes, **(model_kwargs or {}))
+        model.train()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+        x = torch.randn(per_worker_batch, *shape, generator=generator)
+        y = torch.randint(0, num_classes, (per_worker_batch,), generator=generator)
+        loss_fn = torch.nn.CrossEntropyLoss()
+        times: list[tuple[float, float, float]] = []
+        for i in range(warmup + repeats):
+            optimizer.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            loss = loss_fn(model(x), y)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            optimizer.step()
+            t3 = time.perf_counter()
+            if i >= warmup:
+                times.append((t1 - t0, t2 - t1, t3 - t2))
+        num_params = sum(p.numel() for p in model.parameters())
+        used = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(previous_threads)
+    forward, backward, opt = (statistics.median(t[k] for t in times) for k in range(3))
+    return Compute(forward, backward, opt, per_worker_batch, num_params,
+                   f"measured: {model_name} at batch {per_worker_batch}, input {shape}, {used} threads, "
+                   f"median of {repeats} steps")
+
+
+def _data_shape(data: dict) -> tuple[tuple[int, ...], int]:
+    """Input shape and class count of a resolved data config (without building the data)."""
+    target = data.get("_target_", "")
+    if "input_shape" in data:
+        return tuple(int(s) for s in data["input_shape"]), int(data.get("num_classes", 10))
+    if target.endswith("mnist1d"):
+        return (40,), 10
+    if target.endswith("cifar10"):
+        return (3, 32, 32), 10
+    if target.endswith("imagefolder"):
+        size = int(data.get("image_size", 224))
+        return (3, size, size), int(data.get("num_classes", 1000))
+    raise ValueError(f"cannot tell the input shape of data {target!r}; use --model and --input-shape")
+
+
+def compute_from_result(path: str | Path) -> tuple[Compute, int | None]:
+    """Per-worker compute from a finished run's result.json; also its training-set size if known.
+
+    The run's step time is global_batch / samples_per_sec, and each of its P
+    processes ran W/P workers of b samples in it, so one worker's compute is
+    step x P / W. A run with P > 1 also paid its own allreduce in that time,
+    which this folds into the compute (an overestimate).
+    """
+    result = json.loads(Path(path).read_text())
+    missing = [k for k in ("samples_per_sec", "per_worker_batch", "world_size", "config") if k not in result]
+    if missing:
+        raise ValueError(f"{path}: not an lbt result.json with timings (missing {', '.join(missing)})")
+    if not result["samples_per_sec"] or result["samples_per_sec"] <= 0:
+        raise ValueError(f"{path}: samples_per_sec is {result['samples_per_sec']!r}; the run did not train")
+    config = result["config"]
+    world, procs, b = int(result["world_size"]), int(result.get("procs") or 1), int(result["per_worker_batch"])
+    step = b * world / float(result["samples_per_sec"])
+    compute = step * procs / world
+    shape, classes = _data_shape(config["data"])
+    model_node = dict(config["model"])
+    model = _locate(model_node.pop("_target_"))(input_shape=shape, num_classes=classes, **model_node)
+    num_params = sum(p.numel() for p in model.parameters())
+    source = (f"from {path}: {result['samples_per_sec']:,.0f} samples/s at world_size={world} procs={procs} "
+              f"per_worker_batch={b}; forward:backward split assumed 1:2, optimizer folded in"
+              + ("; includes that run's own allreduce" if procs > 1 else ""))
+    # forward + backward + step together; the usual 1/3 : 2/3 split of forward and backward
+    backward = DEFAULT_BACKWARD_SHARE * compute
+    return Compute(compute - backward, backward, 0.0, b, num_params, source), _train_size(config)
+
+
+def _train_size(config: dict) -> int | None:
+    data = config.get("data", {})
+    target = data.get("_target_", "")
+    size = None
+    if target.endswith("mnist1d"):
+        size = int(round(data.get("num_samples", 70000) * data.get("train_split", 6 / 7)))
+    elif target.endswith("synthetic"):
+        size = int(data.get("num_train", 0)) or None
+    elif target.endswith("cifar10"):
+        size = 50000
+    if size is not None:
+        size = int(size * (1 - float(data.get("val_fraction", 0.0) or 0.0)))
+    return size
+
+
+def critical_batch_from_study(study_dir: str | Path) -> float:
+    path = Path(study_dir) / "summary.json"
+    if not path.exists():
+        raise ValueError(f"{path} not found: run `lbt report {study_dir}` first")
+    value = json.loads(path.read_text()).get("critical_batch")
+    if value is None or not math.isfinite(float(value)):
+        raise ValueError(f"{path} holds no critical_batch estimate (run the study with measure=[gns])")
+    return float(value)
+
+
+# -- output -----------------------------------------------------------------------
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.2f}"
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:,.2f} h"
+    if seconds >= 60:
+        return f"{seconds / 60:,.1f} min"
+    return f"{seconds:,.2f} s" if seconds >= 0.1 else f"{seconds * 1e3:,.1f} ms"
+
+
+def format_table(rows: list[Row]) -> str:
+    header = ["W", "global batch", "compute ms", "allreduce ms", "step ms", "epoch", "speedup", "efficiency", "note"]
+    lines = [header]
+    for r in rows:
+        notes = []
+        if r.slower:
+            notes.append("SLOWER than W/2")
+        if r.beyond_critical:
+            notes.append("B > B_crit")
+        if r.beyond_dataset:
+            notes.append("B > N")
+        lines.append([
+            str(r.workers), f"{r.global_batch:,}", _ms(r.compute_s), _ms(r.allreduce_s), _ms(r.step_s),
+            _duration(r.epoch_s), f"{r.speedup:,.2f}x", f"{r.efficiency:.0%}", ", ".join(notes),
+        ])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    out = []
+    for k, line in enumerate(lines):
+        cells = [c.rjust(w) if i < len(line) - 1 else c for i, (c, w) in enumerate(zip(line, widths))]
+        out.append("  ".join(cells).rstrip())
+        if k == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def summarize(rows: list[Row], critical_batch: float | None) -> list[str]:
+    best = min(rows, key=lambda r: r.epoch_s)
+    lines = [f"fastest epoch: W={best.workers} ({_duration(best.epoch_s)}, {best.speedup:.1f}x W=1, "
+             f"efficiency {best.efficiency:.0%})"]
+    slower = [r.workers for r in rows if r.slower]
+    if slower:
+        lines.append(f"adding workers slows the epoch from W={slower[0]} on "
+                     "(communication outgrows the compute it saves)")
+    half = [r.workers for r in rows if r.efficiency < 0.5]
+    if half:
+        lines.append(f"scaling efficiency falls below 50% at W={half[0]}")
+    if critical_batch is not None:
+        beyond = [r.workers for r in rows if r.beyond_critical]
+        last_ok = [r.workers for r in rows if not r.beyond_critical]
+        if beyond:
+            lines.append(f"critical batch B_crit={critical_batch:,.0f}: global batch exceeds it from W={beyond[0]} on "
+                         f"(accuracy expected to suffer; largest safe W here: {last_ok[-1] if last_ok else 'none'})")
+        else:
+            lines.append(f"critical batch B_crit={critical_batch:,.0f}: not reached up to W={rows[-1].workers}")
+    return lines
+
+
+def plot(rows: list[Row], path: str | Path, title: str, critical_batch: float | None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ws = [r.workers for r in rows]
+    fig, (ax_time, ax_eff) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax_time.plot(ws, [r.epoch_s for r in rows], "o-", label="epoch time (model)")
+    ax_time.plot(ws, [rows[0].epoch_s / w for w in ws], ":", color="gray", label="perfect scaling")
+    ax_time.set_yscale("log")
+    ax_time.set_ylabel("epoch time (s)")
+    ax_eff.plot(ws, [r.efficiency for r in rows], "o-", color="tab:green", label="scaling efficiency")
+    ax_eff.set_ylim(0, 1.05)
+    ax_eff.set_ylabel("efficiency = speedup / W")
+    slower = [r.workers for r in rows if r.slower]
+    beyond = [r.workers for r in rows if r.beyond_critical]
+    for ax in (ax_time, ax_eff):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("workers W")
+        ax.grid(True, which="both", alpha=0.3)
+        if slower:
+            ax.axvline(slower[0], color="tab:red", linestyle="--", label=f"slower from W={slower[0]}")
+        if beyond:
+            ax.axvspan(beyond[0], ws[-1], color="tab:orange", alpha=0.15,
+                       label=f"b·W > B_crit={critical_batch:,.0f}")
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# -- command line -----------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    presets = ", ".join(f"{n.name} ({n.bandwidth_gbps:g} Gb/s, {n.latency_us:g} us)" for n in NETWORKS.values())
+    parser = argparse.ArgumentParser(
+        prog="lbt plan",
+        description="Epoch time, speedup and scaling efficiency of synchronous data parallelism over W workers "
+                    "(measured compute + ring-allreduce model).",
+        epilog="examples:\n"
+               "  lbt plan --model resnet20 --per-worker-batch 128 --network 25gbe\n"
+               "  lbt plan --from-result runs/train/X/result.json --network ib-fdr --critical-batch 2048\n"
+               "  lbt plan --model cnn1d --bandwidth-gbps 40 --latency-us 5 --compression fp16 --overlap 0.5",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", choices=sorted(MODELS), help="profile this model on random data (default cnn1d)")
+    source.add_argument("--from-result", metavar="RESULT_JSON", help="take the compute time from a run's result.json")
+    parser.add_argument("--input-shape", type=int, nargs="+",
+                        help="input shape of one sample (default: the model's data)")
+    parser.add_argument("--num-classes", type=int, default=10)
+    parser.add_argument("--per-worker-batch", "-b", type=int, help="b, samples per worker per step (default 64)")
+    parser.add_argument("--threads", type=int, help="threads for the profiling run (default: torch's)")
+    parser.add_argument("--repeats", type=int, default=20, help="profiled steps, after 3 warm-up steps (default 20)")
+    parser.add_argument("--network", default="10gbe", choices=sorted(NETWORKS), help=f"preset: {presets}")
+    parser.add_argument("--bandwidth-gbps", type=float,
+                        help="custom per-direction bandwidth, Gb/s (overrides --network)")
+    parser.add_argument("--latency-us", type=float, help="custom per-message latency, us (overrides --network)")
+    parser.add_argument("--compression", choices=["none", "fp16", "bf16"], default="none",
+                        help="gradient compression (halves the bytes; technique comm_compression)")
+    parser.add_argument("--overlap", type=float, default=0.0, metavar="FRACTION",
+                        help="fraction of the backward pass the allreduce can overlap with (0-1, default 0)")
+    parser.add_argument("--max-workers", type=int, default=1024)
+    parser.add_argument("--train-samples", "-N", type=int, help="N, training samples per epoch (default 60000)")
+    critical = parser.add_mutually_exclusive_group()
+    critical.add_argument("--critical-batch", type=float, metavar="B_CRIT", help="mark W with b x W > B_CRIT")
+    critical.add_argument("--from-study", metavar="DIR", help="B_crit from a study's summary.json (lbt report)")
+    parser.add_argument("--out", default="plan.png", help="PNG plot of epoch time and efficiency (default plan.png)")
+    return parser
+
+
+def _network(options: argparse.Namespace) -> Network:
+    preset = NETWORKS[options.network]
+    if options.bandwidth_gbps is None and options.latency_us is None:
+        return preset
+    bandwidth = options.bandwidth_gbps if options.bandwidth_gbps is not None else preset.bandwidth_gbps
+    latency = options.latency_us if options.latency_us is not None else preset.latency_us
+    if bandwidth <= 0 or latency < 0:
+        raise ValueError("--bandwidth-gbps must be > 0 and --latency-us >= 0")
+    return Network("custom", bandwidth, latency, f"given on the command line (others from {preset.name})")
+
+
+def plan_main(argv: list[str]) -> int:
+    """`lbt plan ARGS`: print the table over W, write the PNG; 0 on success, 2 on a usage error."""
+    parser = _parser()
+    try:
+        options = parser.parse_args(argv)
+    except SystemExit as done:  # --help (0) or an argparse error (2, already printed)
+        return int(done.code or 0)
+    try:
+        if not 0.0 <= options.overlap <= 1.0:
+            raise ValueError(f"--overlap must be in [0, 1], got {options.overlap}")
+        for name in ("per_worker_batch", "max_workers", "train_samples", "threads", "repeats"):
+            value = getattr(options, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        network = _network(options)
+        critical_batch = options.critical_batch
+        if options.from_study:
+            critical_batch = critical_batch_from_study(options.from_study)
+        train_samples = options.train_samples
+        if options.from_result:
+            compute, result_samples = compute_from_result(options.from_result)
+            if options.per_worker_batch and options.per_worker_batch != compute.per_worker_batch:
+                raise ValueError(f"--per-worker-batch {options.per_worker_batch} differs from the result's "
+                                 f"{compute.per_worker_batch}: the measured time holds for that batch only")
+            train_samples = train_samples or result_samples
+        else:
+            compute = profile_compute(options.model or "cnn1d", options.per_worker_batch or 64,
+                                      tuple(options.input_shape) if options.input_shape else None,
+                                      options.num_classes, options.threads, options.repeats)
+        train_samples = train_samples or 60000
+        rows = plan_rows(compute, network, worker_counts(options.max_workers), train_samples,
+                         options.compression, options.overlap, critical_batch)
+    except (ValueError, OSError, KeyError) as error:
+        print(f"lbt plan: error: {error}", file=sys.stderr)
+        return 2
+    nbytes = gradient_bytes(compute.num_params, options.compression)
+    print(f"compute: {compute.total_s * 1e3:.2f} ms per worker step at b={compute.per_worker_batch} "
+          f"(forward {compute.forward_s * 1e3:.2f} + backward {compute.backward_s * 1e3:.2f} + optimizer "
+          f"{compute.optimizer_s * 1e3:.2f} ms; {compute.source})")
+    print(f"gradient: {compute.num_params:,} parameters -> {nbytes / 1e6:,.3f} MB per allreduce "
+          f"({'fp32' if options.compression == 'none' else options.compression})")
+    print(f"network: {network.name}, {network.bandwidth_gbps:g} Gb/s, {network.latency_us:g} us ({network.source})")
+    print(f"model: step = compute + ring allreduce - min(allreduce, {options.overlap:g} x backward); "
+          f"epoch = N/(b W) steps, N={train_samples:,}")
+    print()
+    print(format_table(rows))
+    print()
+    for line in summarize(rows, critical_batch):
+        print(line)
+    title = (f"b={compute.per_worker_batch}, {compute.num_params:,} params, {network.name} "
+             f"({network.bandwidth_gbps:g} Gb/s, {network.latency_us:g} us), N={train_samples:,}"
+             + (f", {options.compression}" if options.compression != "none" else "")
+             + (f", overlap {options.overlap:g}" if options.overlap else ""))
+    path = plot(rows, options.out, title, critical_batch)
+    print(f"plot: {path.resolve()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(plan_main(sys.argv[1:]))

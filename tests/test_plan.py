@@ -1,0 +1,174 @@
+"""`lbt plan`: the cost model's formulas on hand-computed cases, and the command end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lbt.plan import (
+    NETWORKS,
+    Compute,
+    Network,
+    compute_from_result,
+    epoch_seconds,
+    gradient_bytes,
+    plan_main,
+    plan_rows,
+    ring_allreduce_seconds,
+    step_seconds,
+    worker_counts,
+)
+
+
+def test_ring_allreduce_one_worker_costs_nothing():
+    assert ring_allreduce_seconds(1e9, 1, 1e9, 1e-3) == 0.0
+
+
+def test_ring_allreduce_two_workers():
+    # 2(W-1)/W = 1: each worker sends the whole buffer once; 2 messages of latency.
+    assert ring_allreduce_seconds(1e9, 2, 1e9, 1e-6) == pytest.approx(1.0 + 2e-6)
+
+
+def test_ring_allreduce_four_workers():
+    # 2 x 3/4 x 8 MB / 1 GB/s = 12 ms, plus 2 x 3 x 10 us = 60 us.
+    assert ring_allreduce_seconds(8e6, 4, 1e9, 1e-5) == pytest.approx(0.01206)
+
+
+def test_ring_allreduce_bandwidth_term_saturates_at_twice_the_bytes():
+    big = ring_allreduce_seconds(1e6, 1024, 1e6, 0.0)
+    assert big == pytest.approx(2 * 1023 / 1024)
+    assert big < 2.0
+
+
+def test_ring_allreduce_rejects_zero_workers():
+    with pytest.raises(ValueError):
+        ring_allreduce_seconds(1.0, 0, 1.0, 0.0)
+
+
+def test_step_without_overlap_adds_communication():
+    assert step_seconds(0.3, 0.1) == pytest.approx(0.4)
+
+
+def test_step_overlap_hides_at_most_the_overlapped_backward():
+    # 25% of a 0.2 s backward = 50 ms hidden of the 100 ms allreduce.
+    assert step_seconds(0.3, 0.1, overlap=0.25, backward_s=0.2) == pytest.approx(0.35)
+    # Full overlap hides all of an allreduce shorter than the backward ...
+    assert step_seconds(0.3, 0.1, overlap=1.0, backward_s=0.2) == pytest.approx(0.3)
+    # ... but never more than the backward itself (default backward: 2/3 of compute = 0.2).
+    assert step_seconds(0.3, 0.5, overlap=1.0) == pytest.approx(0.6)
+
+
+def test_step_rejects_overlap_outside_unit_interval():
+    with pytest.raises(ValueError):
+        step_seconds(0.3, 0.1, overlap=1.5)
+
+
+def test_epoch_is_steps_times_step_time():
+    assert epoch_seconds(0.4, 60000, 4096) == pytest.approx(60000 / 4096 * 0.4)
+    assert epoch_seconds(0.01, 60000, 64) == pytest.approx(9.375)
+
+
+def test_gradient_bytes_fp32_and_compressed():
+    assert gradient_bytes(1000) == 4000
+    assert gradient_bytes(1000, "fp16") == 2000
+    assert gradient_bytes(1000, "bf16") == 2000
+    with pytest.raises(ValueError):
+        gradient_bytes(1000, "int8")
+
+
+def test_worker_counts_are_powers_of_two_then_the_maximum():
+    assert worker_counts(1024) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+    assert worker_counts(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert worker_counts(1) == [1]
+
+
+def test_network_presets_cover_the_usual_fabrics():
+    assert {"nvlink", "ib-fdr", "100g", "25gbe", "10gbe", "1gbe"} <= set(NETWORKS)
+    assert NETWORKS["1gbe"].bandwidth_bytes_per_s == pytest.approx(125e6)
+    speeds = [NETWORKS[n].bandwidth_gbps for n in ("nvlink", "100g", "ib-fdr", "25gbe", "10gbe", "1gbe")]
+    assert speeds == sorted(speeds, reverse=True)
+
+
+def test_plan_rows_hand_computed_with_a_slow_network():
+    # 10 ms of compute at b=100, 25M parameters = 100 MB of fp32 gradient over 1 Gb/s (125 MB/s), no latency.
+    compute = Compute(0.004, 0.006, 0.0, per_worker_batch=100, num_params=25_000_000, source="test")
+    net = Network("test", 1.0, 0.0, "test")
+    rows = plan_rows(compute, net, [1, 2, 4], train_samples=1000, critical_batch=250)
+    one, two, four = rows
+    assert one.epoch_s == pytest.approx(10 * 0.01) and one.speedup == pytest.approx(1.0)
+    # W=2: allreduce = 1 x 100 MB / 125 MB/s = 0.8 s; 5 steps of 0.81 s.
+    assert two.allreduce_s == pytest.approx(0.8)
+    assert two.epoch_s == pytest.approx(5 * 0.81)
+    assert two.speedup == pytest.approx(0.1 / 4.05)
+    assert two.efficiency == pytest.approx(two.speedup / 2)
+    assert two.slower and not one.slower
+    # W=4: allreduce = 1.5 x 0.8 = 1.2 s; 2.5 steps of 1.21 s: faster than W=2 again.
+    assert four.epoch_s == pytest.approx(2.5 * 1.21)
+    assert not four.slower
+    assert [r.beyond_critical for r in rows] == [False, False, True]
+    assert [r.global_batch for r in rows] == [100, 200, 400]
+
+
+def test_plan_rows_compression_and_overlap():
+    compute = Compute(0.01, 0.02, 0.0, per_worker_batch=64, num_params=1_000_000, source="test")
+    net = Network("test", 8.0, 0.0, "test")  # 1 GB/s
+    plain, = plan_rows(compute, net, [2], 64_000)[0:1]
+    half, = plan_rows(compute, net, [2], 64_000, compression="fp16")[0:1]
+    assert plain.allreduce_s == pytest.approx(4e-3) and half.allreduce_s == pytest.approx(2e-3)
+    hidden, = plan_rows(compute, net, [2], 64_000, overlap=0.1)[0:1]
+    # 10% of the 20 ms backward = 2 ms hidden of the 4 ms allreduce.
+    assert hidden.step_s == pytest.approx(0.03 + 0.002)
+
+
+def test_compute_from_result(tmp_path):
+    result = {
+        "samples_per_sec": 6400.0, "per_worker_batch": 64, "world_size": 4, "procs": 1,
+        "config": {
+            "model": {"_target_": "lbt.models.MLP", "hidden": 128, "num_layers": 2},
+            "data": {"_target_": "lbt.data.build_synthetic", "num_train": 512, "input_shape": [40], "num_classes": 10},
+        },
+    }
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(result))
+    compute, train_samples = compute_from_result(path)
+    # step = 256 samples / 6400 samples/s = 40 ms for 4 simulated workers: 10 ms each.
+    assert compute.total_s == pytest.approx(0.01)
+    assert compute.per_worker_batch == 64
+    assert compute.num_params == 40 * 128 + 128 + 128 * 128 + 128 + 128 * 10 + 10
+    assert train_samples == 512
+
+
+def test_plan_main_prints_the_table_and_writes_the_png(tmp_path, capsys):
+    out = tmp_path / "plan.png"
+    code = plan_main(["--model", "mlp", "--repeats", "3", "--per-worker-batch", "32", "--max-workers", "64",
+                      "--network", "1gbe", "--critical-batch", "512", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "global batch" in printed and "efficiency" in printed
+    assert "B > B_crit" in printed
+    for w in (1, 2, 4, 8, 16, 32, 64):
+        assert any(line.split()[:1] == [str(w)] for line in printed.splitlines())
+    assert str(out.resolve()) in printed
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_main_critical_batch_from_a_study(tmp_path, capsys):
+    study = tmp_path / "study"
+    study.mkdir()
+    (study / "summary.json").write_text(json.dumps({"critical_batch": 100.0}))
+    code = plan_main(["--model", "mlp", "--repeats", "3", "--max-workers", "4", "--from-study", str(study), "--out",
+                      str(tmp_path / "p.png")])
+    assert code == 0
+    assert "from W=2 on" in capsys.readouterr().out
+
+
+def test_plan_main_custom_network_and_usage_errors(tmp_path, capsys):
+    code = plan_main(["--model", "mlp", "--repeats", "3", "--max-workers", "2", "--bandwidth-gbps", "40",
+                      "--latency-us", "3", "--out", str(tmp_path / "p.png")])
+    assert code == 0
+    assert "custom, 40 Gb/s, 3 us" in capsys.readouterr().out
+    assert plan_main(["--model", "mlp", "--overlap", "2", "--out", str(tmp_path / "q.png")]) == 2
+    assert "--overlap" in capsys.readouterr().err
+    assert plan_main(["--from-study", str(tmp_path / "missing"), "--out", str(tmp_path / "r.png")]) == 2
+    assert plan_main(["--network", "carrier-pigeon"]) == 2

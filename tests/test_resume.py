@@ -1,0 +1,124 @@
+"""Exact resume: a run stopped part-way (SIGKILL after a checkpoint, or SIGTERM mid-epoch)
+and continued with trainer.resume=auto ends bitwise equal to the run trained straight."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import FAST, lbt_cli
+
+EPOCHS = 4
+STEPS_PER_EPOCH = 16  # 2048 samples / global batch 128
+RUN = FAST + ["model=cnn1d", "data.num_train=2048", f"trainer.epochs={EPOCHS}", "trainer.log_every=2",
+              "trainer.global_batch=128", "measure=[gns]"]
+LAYOUTS = {"simulated": ["dist.world_size=2"], "real": ["dist.world_size=2", "dist.procs=2"]}
+
+
+def start(args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "lbt.cli", "train", *args], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_for_line(job: subprocess.Popen, text: str) -> None:
+    for line in job.stdout:
+        if text in line:
+            return
+    raise AssertionError(f"the run ended before printing {text!r}: {job.stderr.read()}")
+
+
+def assert_same_run(straight: Path, resumed: Path) -> None:
+    a = torch.load(straight / "final_model.pt", weights_only=True)
+    b = torch.load(resumed / "final_model.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ra, rb = (json.loads((d / "result.json").read_text()) for d in (straight, resumed))
+    for key in ("final_train_loss", "final_val_loss", "final_val_acc", "steps", "samples_seen", "val_history",
+                "technique_metrics"):
+        assert ra[key] == rb[key], key
+    events = EventAccumulator(str(resumed))
+    events.Reload()
+    assert [e.step for e in events.Scalars("val/acc")] == [STEPS_PER_EPOCH * (e + 1) for e in range(EPOCHS)]
+    train_steps = [e.step for e in events.Scalars("train/loss")]
+    assert train_steps == sorted(set(train_steps))  # no step logged twice
+
+
+_REFERENCES: dict[str, Path] = {}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The run trained without interruption, once per layout."""
+
+    def reference(layout: str) -> Path:
+        if layout not in _REFERENCES:
+            root = tmp_path_factory.mktemp(f"straight-{layout}")
+            done = lbt_cli(["train", *RUN, *LAYOUTS[layout], f"hydra.run.dir={root / 'run'}"], root, timeout=300)
+            assert done.returncode == 0, done.stderr
+            _REFERENCES[layout] = root / "run"
+        return _REFERENCES[layout]
+
+    return reference
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_resume_after_sigkill_following_a_checkpoint(straight, layout, tmp_path):
+    reference = straight(layout)
+    args = [*RUN, *LAYOUTS[layout], f"hydra.run.dir={tmp_path / 'run'}"]
+    job = start(args, tmp_path)
+    latest = tmp_path / "run" / "checkpoint" / "latest.json"
+    deadline = time.monotonic() + 240
+    while not latest.exists():
+        assert job.poll() is None and time.monotonic() < deadline, job.stderr.read()
+        time.sleep(0.05)
+    os.killpg(job.pid, signal.SIGKILL)  # the launcher and all its workers, at once
+    job.wait(timeout=30)
+    assert not (tmp_path / "run" / "result.json").exists()
+    resumed = lbt_cli(["train", *args, "trainer.resume=auto"], tmp_path, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from step" in resumed.stdout
+    assert_same_run(reference, tmp_path / "run")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_resume_after_sigterm_in_the_middle_of_an_epoch(straight, layout, tmp_path):
+    reference = straight(layout)
+    args = [*RUN, *LAYOUTS[layout], "trainer.checkpoint_every=0", f"hydra.run.dir={tmp_path / 'run'}"]
+    job = start(args, tmp_path)
+    wait_for_line(job, "epoch 1/")
+    os.kill(job.pid, signal.SIGTERM)  # what SLURM sends on preemption
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, err
+    assert "stopped at step" in out and "trainer.resume=auto" in out
+    meta = json.loads((tmp_path / "run" / "checkpoint" / "latest.json").read_text())
+    assert meta["step"] % STEPS_PER_EPOCH != 0  # really mid-epoch
+    resumed = lbt_cli(["train", *args, "trainer.resume=auto"], tmp_path, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_same_run(reference, tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_killed_worker_leaves_a_resumable_checkpoint(straight, tmp_path):
+    layout = "real"  # P=2: a worker process to kill
+    reference = straight(layout)
+    args = [*RUN, *LAYOUTS[layout], f"hydra.run.dir={tmp_path / 'run'}"]
+    job = start(args, tmp_path)
+    wait_for_line(job, "epoch 2/")
+    workers = subprocess.run(["pgrep", "-P", str(job.pid), "-f", "spawn_main"], capture_output=True, text=True)
+    victim = int(workers.stdout.split()[-1])
+    killed = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    _, err = job.communicate(timeout=60)
+    assert time.monotonic() - killed < 30 and job.returncode != 0
+    assert "rank" in err and "SIGKILL" in err and "Traceback" not in err
+    resumed = lbt_cli(["train", *args, "trainer.resume=auto"], tmp_path, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_same_run(reference, tmp_path / "run")
