@@ -434,6 +434,7 @@ def _parser() -> argparse.ArgumentParser:
                     "(measured compute + ring-allreduce model).",
         epilog="examples:\n"
                "  lbt plan --model resnet20 --per-worker-batch 128 --network 25gbe\n"
+               "  lbt plan model=resnet20 per_worker_batch=128 network=25gbe   (the same)\n"
                "  lbt plan --from-result runs/train/X/result.json --network ib-fdr --critical-batch 2048\n"
                "  lbt plan --model cnn1d --bandwidth-gbps 40 --latency-us 5 --compression fp16 --overlap 0.5",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -475,11 +476,24 @@ def _network(options: argparse.Namespace) -> Network:
     return Network("custom", bandwidth, latency, f"given on the command line (others from {preset.name})")
 
 
+def hydra_style(argv: list[str]) -> list[str]:
+    """Accept `model=resnet20 per_worker_batch=128` as well as `--model resnet20 --per-worker-batch 128`,
+    so `lbt plan` reads like the `lbt train` command it plans for."""
+    args: list[str] = []
+    for arg in argv:
+        if not arg.startswith("-") and "=" in arg:
+            key, value = arg.split("=", 1)
+            args += [f"--{key.replace('_', '-').replace('.', '-')}", value]
+        else:
+            args.append(arg)
+    return args
+
+
 def plan_main(argv: list[str]) -> int:
     """`lbt plan ARGS`: print the table over W, write the PNG; 0 on success, 2 on a usage error."""
     parser = _parser()
     try:
-        options = parser.parse_args(argv)
+        options = parser.parse_args(hydra_style(argv))
     except SystemExit as done:  # --help (0) or an argparse error (2, already printed)
         return int(done.code or 0)
     try:

@@ -172,3 +172,15 @@ def test_plan_main_custom_network_and_usage_errors(tmp_path, capsys):
     assert "--overlap" in capsys.readouterr().err
     assert plan_main(["--from-study", str(tmp_path / "missing"), "--out", str(tmp_path / "r.png")]) == 2
     assert plan_main(["--network", "carrier-pigeon"]) == 2
+
+
+def test_plan_takes_hydra_style_key_values_like_lbt_train(tmp_path, capsys):
+    from lbt.plan import hydra_style
+
+    assert hydra_style(["model=resnet20", "per_worker_batch=128", "--network", "1gbe"]) == \
+        ["--model", "resnet20", "--per-worker-batch", "128", "--network", "1gbe"]
+    out = tmp_path / "kv.png"
+    code = plan_main(["model=mlp", "repeats=3", "max_workers=4", "network=1gbe", f"out={out}"])
+    assert code == 0 and out.exists()
+    assert "1gbe" in capsys.readouterr().out
+    assert plan_main(["model=resnet9000"]) == 2
