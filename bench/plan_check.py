@@ -7,9 +7,10 @@ cnn1d on MNIST-1D at a fixed per-worker batch b (default 64), one thread per
 process (lbt's default for P=2 on 2 cores: the cores are shared out):
 - predicted (lbt/plan.py): compute = `profile_compute("cnn1d", b, threads=1)`
   (forward + backward + SGD step on random data) run in P processes at once,
-  as the P workers share this machine's cores and memory, network =
-  the loopback gloo link as bench/allreduce.py measures and fits it
-  (bandwidth, latency), step = compute + ring_allreduce(4 x params bytes, W=P);
+  as the P workers share this machine's cores and memory; the step waits for
+  the slower worker, `expected_max(per-step times, P)`; network = the loopback
+  gloo link as bench/allreduce.py measures and fits it (bandwidth, latency);
+  step = slowest compute + ring_allreduce(4 x params bytes, W=P);
 - measured: `python -m lbt.train model=cnn1d dist.world_size=P dist.procs=P
   trainer.per_worker_batch=b` (fresh processes), step = global_batch / samples_per_sec.
 Each repeat profiles, measures the network, then runs P=1 and P=2, so a
@@ -35,21 +36,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import LoadWatch, describe_machine, headline, median, run_lbt_subprocess  # noqa: E402
 from allreduce import loopback_network  # noqa: E402
 
-from lbt.plan import gradient_bytes, profile_compute, ring_allreduce_seconds, step_seconds  # noqa: E402
+from lbt.plan import (  # noqa: E402
+    expected_max, gradient_bytes, profile_compute, ring_allreduce_seconds, step_seconds,
+)
 
 
 def _profile_worker(rank: int, b: int, repeats: int, out_dir: str) -> None:
     compute = profile_compute("cnn1d", b, threads=1, repeats=repeats)
-    Path(out_dir, f"{rank}.json").write_text(json.dumps({"total_s": compute.total_s, "params": compute.num_params}))
+    Path(out_dir, f"{rank}.json").write_text(json.dumps({"samples": compute.step_samples,
+                                                         "params": compute.num_params}))
 
 
-def concurrent_compute(procs: int, b: int, repeats: int) -> tuple[float, int]:
-    """Per-worker compute (s) with `procs` workers profiling at once in fresh processes; and the parameter count."""
+def concurrent_compute(procs: int, b: int, repeats: int) -> tuple[list[float], int]:
+    """Per-step compute times (s) of `procs` workers profiling at once in fresh processes, pooled; and the
+    parameter count. lbt plan's step waits for the slowest worker: `expected_max(samples, W)`."""
     with tempfile.TemporaryDirectory(prefix="lbt-plan-check-") as out_dir:
         mp.start_processes(_profile_worker, args=(b, repeats, out_dir), nprocs=procs, join=True,
                            start_method="spawn")
         results = [json.loads(Path(out_dir, f"{r}.json").read_text()) for r in range(procs)]
-    return statistics.mean(r["total_s"] for r in results), results[0]["params"]
+    return [s for r in results for s in r["samples"]], results[0]["params"]
 
 
 def _lockstep_worker(rank: int, port: int, b: int, steps: int, rounds: int, out_dir: str) -> None:
@@ -128,29 +133,33 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or (120 if args.quick else 400)
     print(describe_machine(), flush=True)
     watch = LoadWatch(own=2)
-    keys = ("compute1", "compute2", "allreduce", "pred1", "pred2", "meas1", "meas2")
+    keys = ("compute1", "compute2", "slowest2", "allreduce", "pred1", "pred2", "meas1", "meas2")
     rows: dict[str, list[float]] = {k: [] for k in keys}
     phases: dict[int, list[dict]] = {1: [], 2: []}
     nbytes = None
     profile_steps = 60 if args.quick else 200
     for r in range(repeats):
-        compute1, params = concurrent_compute(1, b, profile_steps)
-        compute2, _ = concurrent_compute(2, b, profile_steps)
+        samples1, params = concurrent_compute(1, b, profile_steps)
+        samples2, _ = concurrent_compute(2, b, profile_steps)
+        compute1, compute2 = statistics.mean(samples1), statistics.mean(samples2)
+        slowest2 = expected_max(samples2, 2)  # the step waits for the slower of the two workers
         nbytes = gradient_bytes(params)
         bandwidth, latency = loopback_network(quick=True, rounds=1)
         comm = ring_allreduce_seconds(nbytes, 2, bandwidth, latency)
         rows["compute1"].append(compute1)
         rows["compute2"].append(compute2)
+        rows["slowest2"].append(slowest2)
         rows["allreduce"].append(comm)
         rows["pred1"].append(step_seconds(compute1, 0.0))
-        rows["pred2"].append(step_seconds(compute2, comm))
+        rows["pred2"].append(step_seconds(slowest2, comm))
         order = (1, 2) if r % 2 == 0 else (2, 1)
         for p in order:
             seconds, breakdown = measured_step(p, b, steps)
             rows[f"meas{p}"].append(seconds)
             phases[p].append(breakdown)
             watch.sample()
-        print(f"repeat {r + 1}/{repeats}: compute {compute1 * 1e3:.2f} ms alone, {compute2 * 1e3:.2f} ms 2 at once; "
+        print(f"repeat {r + 1}/{repeats}: compute {compute1 * 1e3:.2f} ms alone, {compute2 * 1e3:.2f} ms 2 at once "
+              f"(slower of 2: {slowest2 * 1e3:.2f} ms); "
               f"loopback {bandwidth / 1e9:.2f} GB/s "
               f"+ {latency * 1e6:.0f} us -> allreduce of {nbytes / 1e3:.0f} kB {comm * 1e3:.2f} ms; "
               f"predicted P=1 {rows['pred1'][-1] * 1e3:.2f} ms, P=2 {rows['pred2'][-1] * 1e3:.2f} ms; "
@@ -158,16 +167,17 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"cnn1d, per_worker_batch={b}, 1 thread per process, {nbytes / 1e3:.0f} kB of gradient, "
           f"{steps} steps per measured run, median of {repeats} repeats:")
-    print("| procs P (= W) | predicted step | of which compute | of which allreduce | measured step (lbt) | error |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| procs P (= W) | predicted step | mean compute | slowest of P | allreduce | measured step (lbt) | error |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     errors = []
     for p in (1, 2):
         pred, meas = median(rows[f"pred{p}"]), median(rows[f"meas{p}"])
         error = (pred - meas) / meas
         errors.append(abs(error))
         comm = median(rows["allreduce"]) if p == 2 else 0.0
-        print(f"| {p} | {pred * 1e3:.2f} ms | {median(rows[f'compute{p}']) * 1e3:.2f} ms | {comm * 1e3:.2f} ms | "
-              f"{meas * 1e3:.2f} ms | {error:+.1%} |")
+        slowest = median(rows["slowest2"]) if p == 2 else median(rows["compute1"])
+        print(f"| {p} | {pred * 1e3:.2f} ms | {median(rows[f'compute{p}']) * 1e3:.2f} ms | {slowest * 1e3:.2f} ms | "
+              f"{comm * 1e3:.2f} ms | {meas * 1e3:.2f} ms | {error:+.1%} |")
     print("(medians over the repeats, column by column: they need not add up exactly; "
           "error = (predicted - measured) / measured, negative: the model is optimistic)")
     for p in (1, 2):

@@ -78,7 +78,7 @@ def study(args: argparse.Namespace, part: str, world_sizes: list[int], seeds: in
         # nothing from a second thread, and two jobs keep both cores busy.
         "trainer.threads=1", f"hydra.sweep.dir={sweep_dir}", *args.overrides,
     ]
-    if args.jobs > 1:  # Hydra's joblib launcher: pip install 'lbt[launchers]'
+    if args.jobs > 1:  # Hydra's joblib launcher (a core dependency of lbt)
         command += ["hydra/launcher=local_parallel", f"hydra.launcher.n_jobs={args.jobs}"]
     jobs = len(args.recipes) * len(world_sizes) * seeds
     print(f"{part}: {jobs} jobs -> {sweep_dir}", flush=True)

@@ -54,7 +54,7 @@ def precheck(overrides: list[str]) -> None:
     HYDRA_FULL_ERROR; composing here first turns them into one line.
     """
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf, open_dict
 
     from lbt.errors import ConfigError
     from lbt.paths import conf_dir
@@ -62,6 +62,7 @@ def precheck(overrides: list[str]) -> None:
     from lbt import dist as lbt_dist
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.types import RunMode
 
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
@@ -71,13 +72,33 @@ def precheck(overrides: list[str]) -> None:
         return  # a sweep: every job validates its own config and records a failure
     try:
         with initialize_config_dir(str(conf_dir()), version_base="1.3", job_name="lbt_precheck"):
-            cfg = compose("config", overrides=overrides)
+            cfg = compose("config", overrides=overrides, return_hydra_config=True)
+        multirun = cfg.hydra.mode == RunMode.MULTIRUN  # a study config sets it
+        out_key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+        out_dir = cfg.hydra.sweep.dir if multirun else cfg.hydra.run.dir
+        with open_dict(cfg):
+            del cfg["hydra"]
         config = OmegaConf.to_container(cfg, resolve=True)
         _check_layout(config, lbt_dist.torchrun_env())
+        check_writable(out_dir, out_key)
     except ConfigError as error:
         fail(str(error))
     except Exception as error:  # Hydra / OmegaConf composition errors
         fail(one_line(error))
+
+
+def check_writable(folder: str, key: str) -> None:
+    """The run folder can be created and written, or one line says why (before Hydra tries)."""
+    from pathlib import Path
+
+    from lbt.errors import ConfigError
+
+    path = Path(folder).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"{key}={folder}: cannot create the run folder, {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}={folder}: cannot write the run folder, {existing} is not writable")
 
 
 def train_command(args: list[str]) -> None:
@@ -100,8 +121,48 @@ def train_command(args: list[str]) -> None:
     hydra_main()
 
 
+def extra_sweeps(args: list[str]) -> list[tuple[str, list[str]]]:
+    """The study's further grids (`extra_sweeps` in conf/study/*.yaml) as (name, overrides).
+
+    Hydra's basic sweeper runs one grid; a study may add others, e.g. more seeds
+    at the large batches only, where runs vary most and cost least. A grid whose
+    keys the command line sets is skipped: the user's sweep is the one they asked for.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    import lbt.train  # noqa: F401  (registers the config schemas)
+    from lbt.paths import conf_dir
+
+    try:
+        parsed = OverridesParser.create().parse_overrides([a for a in args if not a.startswith("-")])
+        plain = [o.input_line for o in parsed if not o.is_sweep_override() and not o.key_or_group.startswith("hydra")]
+        with initialize_config_dir(str(conf_dir()), version_base="1.3", job_name="lbt_study"):
+            extra = compose("config", overrides=plain).get("extra_sweeps") or {}
+    except Exception as error:
+        fail(one_line(error))
+    given = {o.key_or_group for o in parsed}
+    grids = []
+    for name, overrides in extra.items():
+        keys = {str(o).split("=", 1)[0] for o in overrides}
+        if keys & given:
+            print(f"lbt: note: extra sweep {name!r} skipped: the command line sets {', '.join(sorted(keys & given))}",
+                  file=sys.stderr)
+        else:
+            grids.append((str(name), [str(o) for o in overrides]))
+    return grids
+
+
+def _multirun(args: list[str]) -> None:
+    try:
+        train_command(args)
+    except SystemExit as done:
+        if done.code not in (0, None):
+            raise
+
+
 def study_command(args: list[str]) -> None:
-    """A study is a Hydra multirun (conf/study/*.yaml) followed by its report."""
+    """A study is a Hydra multirun (conf/study/*.yaml), any extra grids of it, then its report."""
     import time
     from pathlib import Path
 
@@ -111,12 +172,13 @@ def study_command(args: list[str]) -> None:
     if sweep_dir is None:
         sweep_dir = f"runs/study/{time.strftime('%Y-%m-%d_%H-%M-%S')}"
         args = [*args, f"hydra.sweep.dir={sweep_dir}"]
+    grids = extra_sweeps(args)
     started = time.perf_counter()
-    try:
-        train_command(args)
-    except SystemExit as done:
-        if done.code not in (0, None):
-            raise
+    _multirun(args)
+    own_args = [a for a in args if not a.startswith("hydra.sweep.dir=")]
+    for name, overrides in grids:
+        print(f"extra sweep {name}: {' '.join(overrides)}", flush=True)
+        _multirun([*own_args, *overrides, f"hydra.sweep.dir={sweep_dir}/{name}"])
     report_command([sweep_dir])
     print(f"study finished in {time.perf_counter() - started:.0f} s; report: {Path(sweep_dir).resolve()}/report.md")
 

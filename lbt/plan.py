@@ -5,8 +5,9 @@ computes its per-worker batch b, then the gradients are averaged by a ring
 allreduce), evaluated for W = 1, 2, 4, ... workers:
 
     compute   = forward + backward + optimizer step of ONE worker at batch b (measured)
+    slowest   = E[max of W workers' compute]: the step waits for its slowest worker
     allreduce = 2 (W-1)/W x bytes / bandwidth + 2 (W-1) x latency       (ring, Patarasuk & Yuan 2009)
-    step      = compute + allreduce - hidden,  hidden = min(allreduce, overlap x backward)
+    step      = slowest + allreduce - hidden,  hidden = min(allreduce, overlap x backward)
     epoch     = N / (b W) x step
 
 bytes = 4 x parameters (fp32 gradients; halved by fp16/bf16 compression).
@@ -110,6 +111,25 @@ def step_seconds(compute_s: float, allreduce_s: float, overlap: float = 0.0, bac
     return compute_s + allreduce_s - hidden
 
 
+def expected_max(samples, workers: int) -> float:
+    """Mean time of the slowest of `workers` independent draws from the measured `samples`.
+
+    A synchronous step ends when its slowest worker's gradient arrives, so step
+    times that vary (other processes, interrupts, the allreduce threads sharing
+    the cores) cost more as workers are added: the straggler effect (Dean &
+    Barroso 2013, "The tail at scale"; Chen et al. 2016). With the samples
+    sorted, x_1 <= ... <= x_n, the slowest of W draws is <= x_i with probability
+    (i/n)^W, so E[max] = sum_i x_i ((i/n)^W - ((i-1)/n)^W); one worker: the mean.
+    """
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    ordered = sorted(samples)
+    if not ordered:
+        raise ValueError("no samples")
+    n = len(ordered)
+    return sum(x * ((i / n) ** workers - ((i - 1) / n) ** workers) for i, x in enumerate(ordered, start=1))
+
+
 def epoch_seconds(step_s: float, train_samples: int, global_batch: int) -> float:
     """N / B steps of `step_s` (fractional: lbt drops the last partial batch, N // B steps)."""
     return train_samples / global_batch * step_s
@@ -143,10 +163,18 @@ class Compute:
     per_worker_batch: int
     num_params: int
     source: str
+    # Per-step totals as measured (a profile has them; a result.json only its mean).
+    step_samples: tuple[float, ...] = ()
 
     @property
     def total_s(self) -> float:
         return self.forward_s + self.backward_s + self.optimizer_s
+
+    def slowest_of(self, workers: int) -> float:
+        """Expected compute of the slowest of `workers` workers (the mean step for one worker)."""
+        if not self.step_samples:
+            return self.total_s
+        return expected_max(self.step_samples, workers)
 
 
 @dataclass(frozen=True)
@@ -176,15 +204,16 @@ def plan_rows(
     """The table over W: step and epoch time, speedup vs W=1 and scaling efficiency."""
     nbytes = gradient_bytes(compute.num_params, compression)
     b = compute.per_worker_batch
-    base_epoch = epoch_seconds(compute.total_s, train_samples, b)  # W=1: no communication
+    base_epoch = epoch_seconds(compute.slowest_of(1), train_samples, b)  # W=1: no communication
     rows: list[Row] = []
     for w in workers:
         comm = ring_allreduce_seconds(nbytes, w, network.bandwidth_bytes_per_s, network.latency_s)
-        step = step_seconds(compute.total_s, comm, overlap, compute.backward_s)
+        slowest = compute.slowest_of(w)
+        step = step_seconds(slowest, comm, overlap, compute.backward_s)
         epoch = epoch_seconds(step, train_samples, b * w)
         speedup = base_epoch / epoch
         rows.append(Row(
-            workers=w, global_batch=b * w, compute_s=compute.total_s, allreduce_s=comm, step_s=step,
+            workers=w, global_batch=b * w, compute_s=slowest, allreduce_s=comm, step_s=step,
             epoch_s=epoch, speedup=speedup, efficiency=speedup / w,
             slower=bool(rows) and epoch > rows[-1].epoch_s,
             beyond_critical=critical_batch is not None and b * w > critical_batch,
@@ -237,7 +266,7 @@ def profile_compute(
         x = torch.randn(per_worker_batch, *shape, generator=generator)
         y = torch.randint(0, num_classes, (per_worker_batch,), generator=generator)
         loss_fn = torch.nn.CrossEntropyLoss()
-        times: list[tuple[float, float, float]] = []
+        times: list[tuple[float, float, float]] = []  # forward, backward, optimizer per step
         for i in range(warmup + repeats):
             optimizer.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
@@ -256,7 +285,8 @@ def profile_compute(
     forward, backward, opt = (statistics.median(t[k] for t in times) for k in range(3))
     return Compute(forward, backward, opt, per_worker_batch, num_params,
                    f"measured: {model_name} at batch {per_worker_batch}, input {shape}, {used} threads, "
-                   f"median of {repeats} steps")
+                   f"median of {repeats} steps (their spread gives the slowest-worker term)",
+                   step_samples=tuple(sum(t) for t in times))
 
 
 def _data_shape(data: dict) -> tuple[tuple[int, ...], int]:
@@ -343,7 +373,7 @@ def _duration(seconds: float) -> str:
 
 
 def format_table(rows: list[Row]) -> str:
-    header = ["W", "global batch", "compute ms", "allreduce ms", "step ms", "epoch", "speedup", "efficiency", "note"]
+    header = ["W", "global batch", "slowest compute ms", "allreduce ms", "step ms", "epoch", "speedup", "efficiency", "note"]
     lines = [header]
     for r in rows:
         notes = []
@@ -531,7 +561,7 @@ def plan_main(argv: list[str]) -> int:
     print(f"gradient: {compute.num_params:,} parameters -> {nbytes / 1e6:,.3f} MB per allreduce "
           f"({'fp32' if options.compression == 'none' else options.compression})")
     print(f"network: {network.name}, {network.bandwidth_gbps:g} Gb/s, {network.latency_us:g} us ({network.source})")
-    print(f"model: step = compute + ring allreduce - min(allreduce, {options.overlap:g} x backward); "
+    print(f"model: step = slowest of W workers' compute + ring allreduce - min(allreduce, {options.overlap:g} x backward); "
           f"epoch = N/(b W) steps, N={train_samples:,}")
     print()
     print(format_table(rows))

@@ -22,6 +22,7 @@ import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import torch
@@ -73,6 +74,22 @@ class LoopSettings:
     checkpoint_every: int = 0  # epochs; 0 = only when stopped by a signal
 
 
+def register_comm_hook(ddp: DistributedDataParallel, techniques: list[Technique], timer: StepTimer | None = None):
+    """DDP's one communication hook: the allreduce, wrapped by each technique in order, then timed."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    hook = partial(allreduce_hook, ddp.process_group)
+    for technique in techniques:
+        hook = technique.comm_hook(hook, ddp)
+    if timer is not None:
+        hook = timer.timed(hook)
+
+    def lbt_comm_hook(state, bucket):
+        return hook(bucket)
+
+    ddp.register_comm_hook(None, lbt_comm_hook)
+
+
 def _wrap_ddp(model: nn.Module) -> DistributedDataParallel:
     # Buffers stay per process during training (no broadcast from rank 0 at each
     # forward) and are averaged at evaluation; newer torch names this forward_sync_buffers.
@@ -104,11 +121,7 @@ class Trainer:
         self.timer = StepTimer()
         if ctx.distributed:
             self.ddp = _wrap_ddp(model)
-            for technique in techniques:
-                technique.on_ddp(self.ddp)
-            # DDP takes one communication hook: time the allreduce unless a technique replaced it.
-            if not any(t.replaces_comm_hook for t in techniques):
-                self.timer.attach(self.ddp)
+            register_comm_hook(self.ddp, techniques, self.timer)
         self.optimizer, self.loss_fn = optimizer, loss_fn
         self.techniques, self.base_lr = techniques, base_lr
         self.epoch_plans, self.ctx = epoch_plans, ctx

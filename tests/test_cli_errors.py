@@ -34,4 +34,14 @@ def test_missing_cifar_folder_names_the_path(tmp_path):
                       f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, timeout=60)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr and lines[0].startswith("lbt: error:")
     assert str(missing) in lines[0]
+
+
+def test_run_folder_that_cannot_be_created(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    result = lbt_cli(["train", *FAST, f"hydra.run.dir={blocker / 'run'}"], tmp_path, timeout=60)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr and "hydra.run.dir" in lines[0] and "is a file" in lines[0]

@@ -304,3 +304,38 @@ def test_imagefolder_class_mismatch(tmp_path):
     _write_image_folder(tmp_path, splits=("val",), classes=("cat",))
     with pytest.raises(ConfigError, match="class folders differ"):
         build_imagefolder(str(tmp_path), image_size=8)
+
+
+# --- training from files, through the code `lbt train` runs ------------------
+
+
+def _trained_two_steps(run_dir, overrides):
+    from conftest import compose_config
+
+    from lbt.train import run
+
+    cfg, recipe = compose_config(["trainer.progress=false", "trainer.device=cpu", "trainer.max_steps=2",
+                                  "trainer.epochs=1", *overrides])
+    result = run(cfg, run_dir, recipe=recipe)
+    assert result["steps"] == 2 and result["samples_seen"] == 2 * result["global_batch"]
+    assert np.isfinite(result["final_train_loss"]) and 0.0 <= result["final_val_acc"] <= 1.0
+    assert (run_dir / "final_model.pt").exists()
+    return result
+
+
+def test_train_two_steps_from_cifar10_files(fake_cifar10, tmp_path):
+    root, _ = fake_cifar10
+    result = _trained_two_steps(tmp_path / "run", [
+        "data=cifar10", f"data.root={root}", "model=resnet20", "model.width=4",
+        "dist.world_size=2", "trainer.per_worker_batch=4",
+    ])
+    assert result["world_size"] == 2 and result["global_batch"] == 8
+
+
+def test_train_two_steps_from_an_image_folder(tmp_path):
+    _write_image_folder(tmp_path / "images", per_class=4)
+    result = _trained_two_steps(tmp_path / "run", [
+        "data=imagefolder", f"data.root={tmp_path / 'images'}", "data.image_size=16",
+        "model=torchvision", "model.name=resnet18", "trainer.global_batch=4",
+    ])
+    assert result["global_batch"] == 4

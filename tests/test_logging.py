@@ -3,7 +3,9 @@
 import json
 import math
 
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams import plugin_data_pb2
 
 from conftest import train
 
@@ -26,7 +28,12 @@ def test_tensorboard_and_result_json(tmp_path):
     # cosine decay from optim.lr (0.1) towards 0, logged before each step
     lrs = [e.value for e in events.Scalars("train/lr")]
     assert lrs[0] < 0.1 and lrs == sorted(lrs, reverse=True)
-    assert "_hparams_/session_start_info" in events.Tags()["tensors"] or events.summary_metadata
+    # TensorBoard's HParams table: one row with the run's settings and its accuracy
+    hparams = events.PluginTagToContent("hparams")
+    start = plugin_data_pb2.HParamsPluginData.FromString(hparams["_hparams_/session_start_info"]).session_start_info
+    assert set(start.hparams) == {"world_size", "per_worker_batch", "global_batch", "recipe", "lr", "seed"}
+    assert start.hparams["global_batch"].number_value == 64 and start.hparams["recipe"].string_value == "baseline"
+    assert events.Scalars("hparam/final_val_acc")[-1].value == pytest.approx(result["final_val_acc"])
 
     on_disk = json.loads((tmp_path / "result.json").read_text())
     assert on_disk == json.loads(json.dumps(result))
@@ -59,12 +66,17 @@ def test_validation_split_keeps_test_for_the_end(tmp_path):
     assert result["samples_seen"] == (384 // 64) * 64  # 512 - 128 held out
 
 
-def test_step_time_split_for_real_processes(tmp_path):
+# DDP takes one communication hook: compression and the noise-scale measurement compose
+# into it with the timer, so the split is there whatever techniques hook the allreduce.
+@pytest.mark.parametrize("hooks", [[], ["technique=[comm_compression]", "measure=[gns]"]], ids=["allreduce", "fp16+gns"])
+def test_step_time_split_for_real_processes(tmp_path, hooks):
     result = train(tmp_path, ["model=mlp", "trainer.epochs=1", "dist.world_size=2", "dist.procs=2",
-                              "trainer.log_every=2"])
+                              "trainer.log_every=2", *hooks])
+    if hooks:
+        assert any("fp16" in t for t in result["techniques"]) and "gns/b_simple" in result["technique_metrics"]
     assert set(result["step_seconds"]) == {"data_s", "compute_s", "comm_s", "optimizer_s"}
     assert all(v > 0 for v in result["step_seconds"].values())
     events = EventAccumulator(str(tmp_path))
     events.Reload()
-    for tag in ("perf/data_s", "perf/compute_s", "perf/comm_s", "perf/optimizer_s"):
+    for tag in ("perf/data_s", "perf/compute_s", "perf/comm_s", "perf/optimizer_s") + ("gns/b_simple",) * bool(hooks):
         assert tag in events.Tags()["scalars"]

@@ -11,6 +11,7 @@ from lbt.plan import (
     Compute,
     Network,
     compute_from_result,
+    expected_max,
     epoch_seconds,
     gradient_bytes,
     plan_main,
@@ -119,6 +120,28 @@ def test_plan_rows_compression_and_overlap():
     hidden, = plan_rows(compute, net, [2], 64_000, overlap=0.1)[0:1]
     # 10% of the 20 ms backward = 2 ms hidden of the 4 ms allreduce.
     assert hidden.step_s == pytest.approx(0.03 + 0.002)
+
+
+def test_expected_max_by_hand():
+    # Two equally likely step times, 10 and 20 ms: one worker 15 ms on average; the slower of
+    # two is 20 ms unless both draw 10 ms (probability 1/4): 0.25 x 10 + 0.75 x 20 = 17.5 ms.
+    assert expected_max([0.02, 0.01], 1) == pytest.approx(0.015)
+    assert expected_max([0.01, 0.02], 2) == pytest.approx(0.0175)
+    # Slowest of 4: 20 ms unless all four draw 10 ms (1/16).
+    assert expected_max([0.01, 0.02], 4) == pytest.approx(0.01 / 16 + 0.02 * 15 / 16)
+    assert expected_max([0.005] * 7, 64) == pytest.approx(0.005)  # no spread, no straggler cost
+    with pytest.raises(ValueError):
+        expected_max([], 2)
+
+
+def test_plan_rows_wait_for_the_slowest_worker():
+    samples = (0.01, 0.01, 0.01, 0.03)  # a step in four takes three times as long
+    compute = Compute(0.004, 0.006, 0.0, per_worker_batch=10, num_params=1, source="test", step_samples=samples)
+    one, two = plan_rows(compute, Network("test", 1e6, 0.0, "test"), [1, 2], train_samples=1000)
+    assert one.compute_s == pytest.approx(0.015)  # the mean: what samples/s measures
+    # The slower of two: 30 ms unless neither draws it (9/16): 9/16 x 10 + 7/16 x 30 = 18.75 ms.
+    assert two.compute_s == pytest.approx(0.01875) and two.step_s == pytest.approx(0.01875, rel=1e-4)
+    assert two.speedup == pytest.approx(2 * 0.015 / 0.01875, rel=1e-4)
 
 
 def test_compute_from_result(tmp_path):

@@ -102,6 +102,27 @@ def test_resume_after_sigterm_in_the_middle_of_an_epoch(straight, layout, tmp_pa
     assert meta["step"] % STEPS_PER_EPOCH != 0  # really mid-epoch
     resumed = lbt_cli(["train", *args, "trainer.resume=auto"], tmp_path, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from step {meta['step']}" in resumed.stdout
+    assert_same_run(reference, tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_ctrl_c_checkpoints_and_stops_cleanly(straight, tmp_path):
+    """Ctrl-C in a terminal sends SIGINT to the whole process group: launcher and workers."""
+    reference = straight("real")
+    args = [*RUN, *LAYOUTS["real"], "trainer.checkpoint_every=0", f"hydra.run.dir={tmp_path / 'run'}"]
+    job = start(args, tmp_path)
+    wait_for_line(job, "epoch 1/")
+    os.killpg(job.pid, signal.SIGINT)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, err
+    assert "stopped at step" in out and "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert not (tmp_path / "run" / "result.json").exists()
+    meta = json.loads((tmp_path / "run" / "checkpoint" / "latest.json").read_text())
+    assert EPOCHS * STEPS_PER_EPOCH > meta["step"] > STEPS_PER_EPOCH
+    resumed = lbt_cli(["train", *args, "trainer.resume=auto"], tmp_path, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from step {meta['step']}" in resumed.stdout
     assert_same_run(reference, tmp_path / "run")
 
 
@@ -119,6 +140,9 @@ def test_killed_worker_leaves_a_resumable_checkpoint(straight, tmp_path):
     _, err = job.communicate(timeout=60)
     assert time.monotonic() - killed < 30 and job.returncode != 0
     assert "rank" in err and "SIGKILL" in err and "Traceback" not in err
+    meta = json.loads((tmp_path / "run" / "checkpoint" / "latest.json").read_text())
+    assert meta["step"] >= STEPS_PER_EPOCH  # the epoch-1 checkpoint survived the crash
     resumed = lbt_cli(["train", *args, "trainer.resume=auto"], tmp_path, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from step {meta['step']}" in resumed.stdout
     assert_same_run(reference, tmp_path / "run")

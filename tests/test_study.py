@@ -97,3 +97,70 @@ def test_study_configs_compose(tmp_path):
         out = lbt_cli(["train", f"study={study_name}", "--cfg", "hydra"], tmp_path, timeout=60)
         assert out.returncode == 0, out.stderr
         assert "mode: MULTIRUN" in out.stdout and "dist.world_size" in out.stdout
+
+
+def _job(folder, recipe: str, world_size: int, seed: int, accs: list[float], b_simple: float) -> None:
+    """A job folder as `lbt train -m` leaves it: its result.json (same fields the trainer writes)."""
+    folder.mkdir(parents=True)
+    global_batch, steps_per_epoch = 32 * world_size, 1024 // (32 * world_size)
+    history = [[steps_per_epoch * (e + 1), 1024 * (e + 1), global_batch, acc] for e, acc in enumerate(accs)]
+    (folder / "result.json").write_text(json.dumps({
+        "recipe": recipe, "overrides": [f"recipe={recipe}", f"dist.world_size={world_size}", f"trainer.seed={seed}"],
+        "world_size": world_size, "procs": 1, "per_worker_batch": 32, "global_batch": global_batch, "seed": seed,
+        "final_val_acc": accs[-1], "best_val_acc": max(accs), "test_acc": None, "steps": history[-1][0],
+        "samples_per_sec": 1000.0 * (seed + 1), "diverged": False, "val_history": history,
+        "technique_metrics": {"gns/b_simple": b_simple},
+    }))
+
+
+def test_report_averages_seeds_with_their_spread(tmp_path):
+    from lbt.report import write_report
+
+    accs = {  # (recipe, world_size) -> per seed, val acc after each of 2 epochs
+        ("baseline", 1): [[0.86, 0.90], [0.70, 0.94]],
+        ("baseline", 8): [[0.86, 0.70], [0.60, 0.74]],
+        ("lars", 8): [[0.85, 0.88], [0.80, 0.90]],
+    }
+    n = 0
+    for (recipe, world_size), per_seed in accs.items():
+        for seed, history in enumerate(per_seed):
+            _job(tmp_path / str(n), recipe, world_size, seed, history, b_simple=100.0 + n)
+            n += 1
+    summary = write_report(tmp_path, target=0.85)
+    rows = {(r["recipe"], r["global_batch"]): r for r in summary["rows"]}
+    base, big, lars = rows[("baseline", 32)], rows[("baseline", 256)], rows[("lars", 256)]
+    assert base["seeds"] == 2 and base["final_acc"] == pytest.approx(0.92)
+    assert base["final_acc_std"] == pytest.approx(0.0282843, rel=1e-4)  # sample std of 0.90, 0.94
+    assert big["gap"] == pytest.approx(-20.0) and lars["gap"] == pytest.approx(-3.0)
+    # steps to 0.85 (Shallue et al.): baseline@32 reaches it after epoch 1 (step 32) and epoch 2 (step 64)
+    assert base["steps_to_target"] == pytest.approx(48.0) and base["steps_to_target_std"] == pytest.approx(22.627417)
+    assert big["steps_to_target"] is None  # one seed never reached the target
+    assert lars["steps_to_target"] == pytest.approx(6.0)  # epoch 1 (4 steps) and epoch 2 (8 steps)
+    assert summary["critical_batch"] == pytest.approx(101.5)  # median over the baseline rows' medians
+    report = (tmp_path / "report.md").read_text()
+    assert "| 32 | 1 | 2 | 0.9200 ± 0.0283 |" in report and "| 256 | 8 | 2 | 0.7200 ± 0.0283 |" in report
+    events = EventAccumulator(str(tmp_path / "tb_summary"))
+    events.Reload()
+    assert [(e.step, round(e.value, 4)) for e in events.Scalars("study/baseline/val_acc")] == [(32, 0.92), (256, 0.72)]
+
+
+def test_lbt_study_runs_its_extra_grid_into_the_same_report(tmp_path):
+    out = tmp_path / "study"
+    # The command line's sweep replaces the study's grid; the extra grid adds seeds 1 and 2.
+    run = lbt_cli(["study", *TINY, "recipe=baseline", "dist.world_size=1,2", 'extra_sweeps.seeds=["trainer.seed=1,2"]',
+                   f"hydra.sweep.dir={out}"], tmp_path, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert f"report: {out}/report.md" in run.stdout
+    rows = {r["global_batch"]: r for r in json.loads((out / "summary.json").read_text())["rows"]}
+    assert set(rows) == {32, 64} and rows[32]["seeds"] == rows[64]["seeds"] == 3  # seed 0 here, 1 and 2 in seeds/
+    assert len([p for p in (out / "seeds").iterdir() if (p / "result.json").exists()]) == 4
+    assert "±" in (out / "report.md").read_text()
+
+
+def test_extra_grid_is_skipped_when_the_command_line_sweeps_its_keys(capsys):
+    from lbt.cli import extra_sweeps
+
+    assert extra_sweeps(["study=default"]) == [("seeds", ["dist.world_size=64,128", "trainer.seed=1,2"])]
+    assert extra_sweeps(["study=default", "dist.world_size=1,8"]) == []
+    assert "skipped" in capsys.readouterr().err
+    assert extra_sweeps(["study=gpu_counts"]) == []

@@ -297,8 +297,7 @@ def test_comm_compression_config_errors_and_single_process_no_op():
         CommCompression(kind="powersgd", start_powersgd_iter=1)
     with pytest.raises(ConfigError, match="powersgd_rank"):
         CommCompression(kind="powersgd", powersgd_rank=0)
-    technique = CommCompression("powersgd")
-    technique.on_ddp(MLP(input_shape=(40,)))  # procs == 1: no DDP wrapper, nothing to do
+    technique = CommCompression("powersgd")  # procs == 1: no DDP wrapper, the hook is never asked for
     assert technique.bytes_ratio is None and "PowerSGD rank 1" in technique.describe()
 
 
@@ -307,6 +306,7 @@ def _comm_hook_worker(rank: int, store_port: int, out_dir: str) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from lbt.dist import init_process_group
+    from lbt.trainer import register_comm_hook
 
     torch.set_num_threads(1)
     init_process_group("gloo", rank, 2, 30.0, store_port)
@@ -317,8 +317,7 @@ def _comm_hook_worker(rank: int, store_port: int, out_dir: str) -> None:
         local = copy.deepcopy(model)
         ddp = DistributedDataParallel(model)
         technique = CommCompression(kind) if kind != "none" else None
-        if technique is not None:
-            technique.on_ddp(ddp)
+        register_comm_hook(ddp, [technique] if technique else [])
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         steps = []
         for step in range(3):  # powersgd: 2 plain allreduces, then compressed ones

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-
-import torch
+from typing import Callable
 
 
 class StepTimer:
     """Sums seconds per phase over a window of steps and over the whole run.
 
-    Communication is timed by a DDP communication hook around the default
-    allreduce: from the first bucket handed to the allreduce to the last one
+    Communication is timed around the DDP communication hook (the allreduce,
+    compressed or not): from the first bucket handed to it to the last one
     completed, per step. It overlaps the backward pass, so compute + comm can
     exceed the step time; compute includes whatever allreduce wait the
     backward could not hide.
@@ -45,10 +44,10 @@ class StepTimer:
     def run_means(self) -> dict[str, float]:
         return {f"{k}_s": v / max(self.total_steps, 1) for k, v in self.total.items()}
 
-    def attach(self, ddp_model: torch.nn.Module) -> None:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    def timed(self, hook: Callable) -> Callable:
+        """`hook` (bucket -> future), recording when the step's first bucket left and its last one came back."""
 
-        def timed_allreduce(state, bucket):
+        def timed_hook(bucket):
             start = time.perf_counter()
             if self._comm_start is None:
                 self._comm_start = start
@@ -57,6 +56,6 @@ class StepTimer:
                 self._comm_end = max(self._comm_end, time.perf_counter())
                 return future.value()
 
-            return allreduce_hook(state, bucket).then(done)
+            return hook(bucket).then(done)
 
-        ddp_model.register_comm_hook(None, timed_allreduce)
+        return timed_hook

@@ -9,7 +9,8 @@ Where each hook fires in a run (see lbt/train.py and lbt/trainer.py):
     loss_fn = CrossEntropyLoss()
     for t in techniques: loss_fn = t.on_loss(loss_fn)            # label smoothing
     ddp = DistributedDataParallel(model)                          # when procs > 1
-    for t in techniques: t.on_ddp(ddp)                            # communication hooks
+    hook = allreduce                                              # DDP's one communication hook,
+    for t in techniques: hook = t.comm_hook(hook, ddp)            # composed: compression, measurements
     for epoch: plan = base_plan; for t in techniques: plan = t.epoch_plan(epoch, plan)  # batch ramp
     for epoch:
         for t in techniques: t.on_epoch_start(epoch, model)       # BN statistics reset
@@ -40,6 +41,9 @@ from torch import nn
 
 from lbt.config import BatchPlan
 
+# A DDP communication hook without its state: reduces one gradient bucket across processes.
+CommHook = Callable[["torch.distributed.GradBucket"], torch.futures.Future]
+
 
 @dataclass(frozen=True)
 class Progress:
@@ -62,8 +66,6 @@ class Technique:
     # True: the trainer back-propagates a process's first worker on its own
     # and calls on_worker_gradient with that single worker's gradient.
     wants_worker_gradient: ClassVar[bool] = False
-    # True: on_ddp registers a DDP communication hook (DDP takes only one).
-    replaces_comm_hook: ClassVar[bool] = False
 
     def on_model(self, model: nn.Module) -> nn.Module:
         return model
@@ -74,8 +76,15 @@ class Technique:
     def on_loss(self, loss_fn: Callable) -> Callable:
         return loss_fn
 
-    def on_ddp(self, ddp_model: nn.Module) -> None:
-        pass
+    def comm_hook(self, inner: CommHook, ddp_model: nn.Module) -> CommHook:
+        """The gradient allreduce with this technique's part added (real processes only).
+
+        DDP takes a single communication hook, so techniques compose one: `inner`
+        reduces a bucket so far (torch's allreduce, or a compressed one). Return it
+        unchanged, a function that reads the bucket and calls it (measurements),
+        or one that reduces the bucket itself (compression).
+        """
+        return inner
 
     def epoch_plan(self, epoch: int, plan: BatchPlan) -> BatchPlan:
         """The batch layout of `epoch`; called for every epoch before training starts."""

@@ -19,13 +19,13 @@ batched_powerSGD_hook fails there with an AssertionError; lbt does not offer it.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-from torch.nn.parallel import DistributedDataParallel
 
 from lbt.errors import ConfigError
-from lbt.techniques.base import Technique
+from lbt.techniques.base import CommHook, Technique
 
 KINDS = ("fp16", "bf16", "powersgd")
 FP32_BYTES = 4
@@ -58,7 +58,6 @@ def compressed_bytes(shape: tuple[int, ...], kind: str, rank: int = 1, min_compr
 class CommCompression(Technique):
     """Register a DDP communication hook compressing the gradient allreduce."""
 
-    replaces_comm_hook = True
     name = "comm_compression"
     order = 50
 
@@ -77,23 +76,22 @@ class CommCompression(Technique):
         self.kind, self.powersgd_rank, self.start_powersgd_iter = kind, powersgd_rank, start_powersgd_iter
         self.bytes_ratio: float | None = None  # fp32 bytes / compressed bytes per step, once registered
 
-    def on_ddp(self, ddp_model: nn.Module) -> None:
-        if not isinstance(ddp_model, DistributedDataParallel):
-            return  # one process: nothing is allreduced
+    def comm_hook(self, inner: CommHook, ddp_model: nn.Module) -> CommHook:
+        # Replaces the allreduce: the compressed hooks reduce the bucket themselves.
+        # Called only with real processes (with one, nothing is allreduced).
         group = ddp_model.process_group
-        if self.kind == "fp16":
-            ddp_model.register_comm_hook(group, default_hooks.fp16_compress_hook)
-        elif self.kind == "bf16":
-            ddp_model.register_comm_hook(group, default_hooks.bf16_compress_hook)
-        else:
-            state = powerSGD_hook.PowerSGDState(
-                process_group=group, matrix_approximation_rank=self.powersgd_rank,
-                start_powerSGD_iter=self.start_powersgd_iter,
-            )
-            ddp_model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         shapes = [tuple(p.shape) for p in ddp_model.module.parameters() if p.requires_grad]
         sent = sum(compressed_bytes(s, self.kind, self.powersgd_rank) for s in shapes)
         self.bytes_ratio = sum(compressed_bytes(s, "none") for s in shapes) / max(sent, 1)
+        if self.kind == "fp16":
+            return partial(default_hooks.fp16_compress_hook, group)
+        if self.kind == "bf16":
+            return partial(default_hooks.bf16_compress_hook, group)
+        state = powerSGD_hook.PowerSGDState(
+            process_group=group, matrix_approximation_rank=self.powersgd_rank,
+            start_powerSGD_iter=self.start_powersgd_iter,
+        )
+        return partial(powerSGD_hook.powerSGD_hook, state)
 
     def describe(self) -> str:
         what = self.kind

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lbt.techniques.base import Progress, Technique
+from lbt.techniques.base import CommHook, Progress, Technique
 
 
 def finite_population_factor(batch: float, population: float | None) -> float:
@@ -83,7 +83,6 @@ class GradientNoiseScale(Technique):
     name = "gns"
     order = 80
     wants_worker_gradient = True
-    replaces_comm_hook = True
 
     def __init__(self, ema_decay: float = 0.95, finite_population: bool = True):
         self.estimator = NoiseScaleEstimator(ema_decay)
@@ -97,15 +96,14 @@ class GradientNoiseScale(Technique):
         self.worker_sq = grad_sq_norm(model) * workers**2
         self.worker_batch = per_worker_batch
 
-    def on_ddp(self, ddp_model: nn.Module) -> None:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        def measure_then_allreduce(state, bucket):
+    def comm_hook(self, inner: CommHook, ddp_model: nn.Module) -> CommHook:
+        # Order 80: wraps any compression, so it reads the full-precision local gradient.
+        def measure_then_reduce(bucket):
             local_sq = bucket.buffer().double().pow(2).sum()
             self.hook_sq = local_sq if self.hook_sq is None else self.hook_sq + local_sq
-            return allreduce_hook(state, bucket)
+            return inner(bucket)
 
-        ddp_model.register_comm_hook(None, measure_then_allreduce)
+        return measure_then_reduce
 
     def after_backward(self, model: nn.Module, progress: Progress) -> None:
         worker_sq, self.worker_sq = self.worker_sq, None
