@@ -124,6 +124,64 @@ def fit_ring(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
     return 1.0 / c, max(a, 0.0) / 2.0
 
 
+def _busy(seconds: float, work: torch.Tensor) -> None:
+    """Keep this process's core busy for `seconds`, as a training step's compute does."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        work @ work
+
+
+def _paced_worker(rank: int, port: int, sizes: list[int], ops: int, pace_s: float, out_path: str) -> None:
+    torch.set_num_threads(1)
+    store = dist.TCPStore(HOST, port, 2, is_master=False, timeout=__import__("datetime").timedelta(seconds=300))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    work = torch.randn(128, 128)
+    results = {}
+    try:
+        for nbytes in sizes:
+            buffer = torch.ones(nbytes // 4)
+            dist.all_reduce(buffer)
+            dist.barrier()
+            times = []
+            for _ in range(ops):
+                _busy(pace_s, work)
+                start = time.perf_counter()
+                dist.all_reduce(buffer)
+                times.append(time.perf_counter() - start)
+            results[nbytes] = statistics.mean(times)
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(results))
+
+
+def paced(sizes: list[int], pace_s: float, ops: int = 200) -> dict[int, float]:
+    """Mean allreduce seconds per size when each op follows `pace_s` of compute on both ranks.
+
+    This is how a training step uses the link: compute, then the gradient
+    allreduce, then compute again. Between bursts a rank waits idle for its
+    peer's bytes, and on this VM a waiting process is sometimes woken only at
+    the next scheduler tick (~4 ms): a tail that back-to-back ops, whose ranks
+    never go idle, do not show. Means, not medians: a step time is a mean.
+    """
+    store = dist.TCPStore(HOST, 0, 3, is_master=True, wait_for_workers=False)
+    with tempfile.TemporaryDirectory(prefix="lbt-allreduce-") as tmp:
+        out = os.path.join(tmp, "paced.json")
+        mp.start_processes(_paced_worker, args=(store.port, sizes, ops, pace_s, out), nprocs=2, join=True,
+                           start_method="spawn")
+        return {int(k): v for k, v in json.loads(Path(out).read_text()).items()}
+
+
+PACED_SIZES = [1024 * 4**k for k in range(8)]  # 1 KiB .. 16 MiB: gradient sizes of small and mid models
+
+
+def paced_network(pace_s: float, ops: int = 200) -> tuple[float, float]:
+    """The loopback 'network' as training steps see it: ring fit of `paced` means (bandwidth bytes/s, latency s)."""
+    means = paced(PACED_SIZES, pace_s, ops)
+    return fit_ring(PACED_SIZES, [means[s] for s in PACED_SIZES])
+
+
 def loopback_network(quick: bool = True, sizes: list[int] | None = None, rounds: int = 2) -> tuple[float, float]:
     """Measure and fit the loopback gloo 'network': (bandwidth bytes/s, latency s)."""
     sizes = sizes or SIZES[:-1]
@@ -145,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help="sweeps over all sizes (default 5, quick 3)")
     parser.add_argument("--max-mib", type=int, default=256, help="largest buffer, MiB (default 256)")
     parser.add_argument("--json", help="also write the table and the fit to this file")
+    parser.add_argument("--pace-ms", type=float, default=4.0,
+                        help="also time allreduces that each follow this much compute, as in training "
+                             "(default 4 ms, about a cnn1d step at batch 64; 0 to skip)")
     args = parser.parse_args(argv)
     rounds = args.rounds or (3 if args.quick else 5)
     sizes = [s for s in SIZES if s <= args.max_mib * 2**20]
@@ -176,6 +237,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ring model fit (t = bytes / bandwidth + 2 x latency): bandwidth {bandwidth / 1e9:.2f} GB/s "
           f"= {bandwidth * 8 / 1e9:.1f} Gb/s, latency {latency * 1e6:.0f} us  "
           f"-> lbt plan --bandwidth-gbps {bandwidth * 8 / 1e9:.1f} --latency-us {latency * 1e6:.0f}")
+    if args.pace_ms > 0:
+        means = paced(PACED_SIZES, args.pace_ms / 1e3, ops=100 if args.quick else 200)
+        print(f"\npaced: every allreduce follows {args.pace_ms:g} ms of compute on both ranks (as in training); "
+              "mean per size")
+        print("| size | back-to-back (median) | paced (mean) |")
+        print("| --- | --- | --- |")
+        for s in PACED_SIZES:
+            back = statistics.median(data["allreduce"][s]) if s in data["allreduce"] else float("nan")
+            print(f"| {_human(s)} | {back * 1e6:,.0f} us | {means[s] * 1e6:,.0f} us |")
+        paced_bw, paced_lat = fit_ring(PACED_SIZES, [means[s] for s in PACED_SIZES])
+        print(f"paced ring fit: bandwidth {paced_bw / 1e9:.2f} GB/s = {paced_bw * 8 / 1e9:.1f} Gb/s, latency "
+              f"{paced_lat * 1e6:.0f} us  -> lbt plan --bandwidth-gbps {paced_bw * 8 / 1e9:.1f} "
+              f"--latency-us {paced_lat * 1e6:.0f}")
+    watch.sample()
     print(watch.verdict())
     if args.json:
         Path(args.json).write_text(json.dumps({"table": table, "bandwidth_Bps": bandwidth, "latency_s": latency},

@@ -9,7 +9,8 @@ process (lbt's default for P=2 on 2 cores: the cores are shared out):
   (forward + backward + SGD step on random data) run in P processes at once,
   as the P workers share this machine's cores and memory; the step waits for
   the slower worker, `expected_max(per-step times, P)`; network = the loopback
-  gloo link as bench/allreduce.py measures and fits it (bandwidth, latency);
+  gloo link as bench/allreduce.py measures and fits it *paced* (each allreduce
+  after a step's worth of compute, as in training: see `allreduce.paced`);
   step = slowest compute + ring_allreduce(4 x params bytes, W=P);
 - measured: `python -m lbt.train model=cnn1d dist.world_size=P dist.procs=P
   trainer.per_worker_batch=b` (fresh processes), step = global_batch / samples_per_sec.
@@ -34,7 +35,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import LoadWatch, describe_machine, headline, median, run_lbt_subprocess  # noqa: E402
-from allreduce import loopback_network  # noqa: E402
+from allreduce import paced_network  # noqa: E402
 
 from lbt.plan import (  # noqa: E402
     expected_max, gradient_bytes, profile_compute, ring_allreduce_seconds, step_seconds,
@@ -144,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         compute1, compute2 = statistics.mean(samples1), statistics.mean(samples2)
         slowest2 = expected_max(samples2, 2)  # the step waits for the slower of the two workers
         nbytes = gradient_bytes(params)
-        bandwidth, latency = loopback_network(quick=True, rounds=1)
+        # The link as a training step uses it: each allreduce after a step's worth of compute.
+        bandwidth, latency = paced_network(compute2, ops=100 if args.quick else 200)
         comm = ring_allreduce_seconds(nbytes, 2, bandwidth, latency)
         rows["compute1"].append(compute1)
         rows["compute2"].append(compute2)

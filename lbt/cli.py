@@ -54,7 +54,7 @@ def precheck(overrides: list[str]) -> None:
     HYDRA_FULL_ERROR; composing here first turns them into one line.
     """
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf, open_dict
+    from omegaconf import OmegaConf
 
     from lbt.errors import ConfigError
     from lbt.paths import conf_dir
@@ -62,7 +62,6 @@ def precheck(overrides: list[str]) -> None:
     from lbt import dist as lbt_dist
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.types import RunMode
 
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
@@ -72,15 +71,16 @@ def precheck(overrides: list[str]) -> None:
         return  # a sweep: every job validates its own config and records a failure
     try:
         with initialize_config_dir(str(conf_dir()), version_base="1.3", job_name="lbt_precheck"):
-            cfg = compose("config", overrides=overrides, return_hydra_config=True)
-        multirun = cfg.hydra.mode == RunMode.MULTIRUN  # a study config sets it
-        out_key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-        out_dir = cfg.hydra.sweep.dir if multirun else cfg.hydra.run.dir
-        with open_dict(cfg):
-            del cfg["hydra"]
+            cfg = compose("config", overrides=overrides)
         config = OmegaConf.to_container(cfg, resolve=True)
         _check_layout(config, lbt_dist.torchrun_env())
-        check_writable(out_dir, out_key)
+        # The output folder: as given, else under ./runs (both defaults of conf/config.yaml).
+        # Read from the overrides: composing Hydra's own config here (which loads every
+        # launcher plugin) made the spawned workers of a later P=2 run abort at exit
+        # (SIGABRT, "terminate called without an active exception") in ~7% of runs.
+        folders = {o.key_or_group: o.value() for o in parsed if o.key_or_group in ("hydra.run.dir", "hydra.sweep.dir")}
+        for key, folder in (folders or {"hydra.run.dir": "runs"}).items():
+            check_writable(str(folder), key)
     except ConfigError as error:
         fail(str(error))
     except Exception as error:  # Hydra / OmegaConf composition errors

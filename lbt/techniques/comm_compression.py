@@ -78,8 +78,9 @@ class CommCompression(Technique):
 
     def comm_hook(self, inner: CommHook, ddp_model: nn.Module) -> CommHook:
         # Replaces the allreduce: the compressed hooks reduce the bucket themselves.
-        # Called only with real processes (with one, nothing is allreduced).
-        group = ddp_model.process_group
+        # Called only with real processes (with one, nothing is allreduced). Group None:
+        # the default one (see lbt.trainer.register_comm_hook for why no group object).
+        group = None
         shapes = [tuple(p.shape) for p in ddp_model.module.parameters() if p.requires_grad]
         sent = sum(compressed_bytes(s, self.kind, self.powersgd_rank) for s in shapes)
         self.bytes_ratio = sum(compressed_bytes(s, "none") for s in shapes) / max(sent, 1)
