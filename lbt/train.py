@@ -114,6 +114,19 @@ def _spawned_process(rank: int, store_port: int, config: dict, run_dir: str, pro
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         print(f"lbt: rank {rank} lost its peers: {first_line}", file=sys.stderr, flush=True)
         sys.exit(1)
+    _exit_worker()
+
+
+def _exit_worker() -> None:
+    """End a finished worker process without the interpreter's teardown.
+
+    Everything is written and the process group destroyed by now. Tearing down
+    torch's distributed objects with the interpreter sometimes aborts a gloo
+    worker ("terminate called without an active exception", SIGABRT; a few
+    percent of P=2 runs here), which the launcher would report as a dead worker.
+    """
+    lbt_dist.flush_std()
+    os._exit(0)
 
 
 def _train_process(
@@ -342,6 +355,8 @@ def main() -> None:
     from lbt.cli import train_command
 
     train_command(sys.argv[1:])
+    if lbt_dist.torchrun_env() is not None:  # a torchrun worker: see _exit_worker
+        _exit_worker()
 
 
 if __name__ == "__main__":

@@ -203,7 +203,7 @@ class Trainer:
         bar = self._bar(epoch, batches.steps_per_epoch, self.step_in_epoch)
         # The window's losses stay on the device until a log step: reading a
         # loss every step would make the host wait for the device every step.
-        window_loss, window_steps = torch.zeros((), device=self.ctx.device), 0
+        window_losses: list[torch.Tensor] = []
         window_start = data_start = time.perf_counter()
         for i, (inputs, labels) in enumerate(batches.epoch(epoch, self.step_in_epoch)):
             if i == steps:
@@ -218,11 +218,11 @@ class Trainer:
             self.step += 1
             self.step_in_epoch += 1
             self.samples_seen += plan.global_batch
-            window_loss += loss
-            window_steps += 1
+            window_losses.append(loss)
             if log_now:
-                window = torch.tensor([window_loss.item(), window_steps, float(self.stop_requested)],
-                                      dtype=torch.float64)
+                window_steps = len(window_losses)
+                window = torch.tensor([torch.stack(window_losses).sum().item(), window_steps,
+                                       float(self.stop_requested)], dtype=torch.float64)
                 # Summed over processes at a cadence every rank agrees on, so all
                 # of them see the same loss (and stop request) and act together.
                 all_reduce_sum(window, self.ctx)
@@ -236,8 +236,7 @@ class Trainer:
                 )
                 self.epoch_loss += window[:2]
                 stop = window[2].item() > 0
-                window_loss.zero_()
-                window_steps = 0
+                window_losses.clear()
                 window_start = time.perf_counter()
                 if bar is not None:
                     local_acc = correct / (plan.per_worker_batch * workers_per_proc)

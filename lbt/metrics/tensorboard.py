@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams as hparams_summary
+from torch.utils.tensorboard.summary import scalar as scalar_summary
 
 
 class RunLogger:
@@ -28,9 +30,12 @@ class RunLogger:
     def scalars(self, values: dict[str, float], step: int, samples_seen: int) -> None:
         if self.writer is None:
             return
-        for tag, value in values.items():
-            self.writer.add_scalar(tag, value, step)
-            self.samples_writer.add_scalar(tag, value, samples_seen)
+        # One event per writer holding every tag, rather than an event per tag
+        # (add_scalar): ~10x cheaper, which shows when a step takes a few ms.
+        # TensorBoard reads the two alike.
+        summary = Summary(value=[v for tag, value in values.items() for v in scalar_summary(tag, value).value])
+        self.writer._get_file_writer().add_summary(summary, step)
+        self.samples_writer._get_file_writer().add_summary(summary, samples_seen)
 
     def hparams(self, params: dict, metrics: dict[str, float]) -> None:
         """One row of TensorBoard's HParams table for this run."""

@@ -33,8 +33,7 @@ tweaks, group splitting before optimizers that read the groups.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -45,9 +44,8 @@ from lbt.config import BatchPlan
 CommHook = Callable[["torch.distributed.GradBucket"], torch.futures.Future]
 
 
-@dataclass(frozen=True)
-class Progress:
-    """Where the run is, in the units LR schedules use: samples seen."""
+class Progress(NamedTuple):
+    """Where the run is, in the units LR schedules use: samples seen (immutable; built every step)."""
 
     samples_seen: int
     step: int
