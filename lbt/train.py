@@ -300,6 +300,9 @@ def _summary(config: dict, plan, steps_per_epoch: int, base_lr: float, result) -
         "base_lr": base_lr,
         "seed": config["trainer"]["seed"],
         **{k: v for k, v in vars(result).items()},
+        # The held-out test split under the names val/* has in TensorBoard (None without data.val_fraction).
+        "test/acc": result.test_acc,
+        "test/loss": result.test_loss,
         "config": config,
     }
 

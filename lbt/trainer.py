@@ -179,6 +179,8 @@ class Trainer:
                 self.save_checkpoint()
         if self.test_set is not None and not result.diverged:
             result.test_loss, result.test_acc = self.evaluate(self.test_set)
+            self.log.scalars({"test/loss": result.test_loss, "test/acc": result.test_acc}, self.step,
+                             self.samples_seen)
         result.best_val_acc = max((h[3] for h in result.val_history), default=float("nan"))
         result.steps, result.samples_seen = self.step, self.samples_seen
         result.wall_seconds = time.perf_counter() - started

@@ -63,6 +63,10 @@ def test_diverged_run_is_recorded_and_exits_cleanly(tmp_path):
 def test_validation_split_keeps_test_for_the_end(tmp_path):
     result = train(tmp_path, ["model=mlp", "trainer.epochs=1", "data.val_fraction=0.25"])
     assert result["test_acc"] is not None and result["test_loss"] is not None
+    assert (result["test/acc"], result["test/loss"]) == (result["test_acc"], result["test_loss"])
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [e.value for e in events.Scalars("test/acc")] == [pytest.approx(result["test_acc"])]
     assert result["samples_seen"] == (384 // 64) * 64  # 512 - 128 held out
 
 
