@@ -366,3 +366,24 @@ def test_comm_hooks_on_gloo_with_two_processes(tmp_path):
             assert not torch.allclose(weight, mean[0])
             torch.testing.assert_close(powersgd[step]["reduced"][1], mean[1])  # a bias goes uncompressed
     assert ranks[0]["powersgd"]["ratio"] > 5
+
+
+def test_lars_and_no_bn_weight_decay_rebuild_the_optimizer_with_one_filter():
+    from lbt.optim.lars import LARS
+    from lbt.techniques.lars import Lars
+    from lbt.techniques.no_bn_weight_decay import NoBNWeightDecay
+
+    model = CNN1d(input_shape=(40,))
+    excluded = {id(p) for name, p in model.named_parameters() if name.endswith("bias") or ".bn" in name or p.ndim == 1}
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4, nesterov=True)
+    for technique, expected_type in ((NoBNWeightDecay(), torch.optim.SGD), (Lars(trust_coefficient=0.002), LARS)):
+        optimizer = technique.on_optimizer(sgd, model)
+        assert type(optimizer) is expected_type and optimizer is not sgd
+        decayed, not_decayed = optimizer.param_groups
+        assert decayed["weight_decay"] == 5e-4 and not_decayed["weight_decay"] == 0.0
+        assert {id(p) for p in not_decayed["params"]} == excluded  # every bias and BN parameter, nothing else
+        assert not decayed["exclude_from_trust"] and not_decayed["exclude_from_trust"]
+        assert optimizer.defaults["momentum"] == 0.9 and optimizer.defaults["nesterov"] is True
+    assert optimizer.defaults["trust_coefficient"] == 0.002
+    with pytest.raises(ConfigError, match="on top of SGD"):
+        Lars().on_optimizer(torch.optim.Adam(model.parameters()), model)
