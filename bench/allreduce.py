@@ -22,6 +22,7 @@ The last line is `allreduce_vs_memcpy=<allreduce / memcpy bandwidth at the large
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import statistics
@@ -56,11 +57,25 @@ def _time_ops(fn, n: int) -> float:
     return statistics.median(times)
 
 
+def _join(rank: int, port: int) -> None:
+    """One of the two benchmark processes joins the gloo group (1 thread, as lbt's P=2 workers here)."""
+    torch.set_num_threads(1)
+    store = dist.TCPStore(HOST, port, 2, is_master=False, timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+
+
+def _run_pair(worker, *args) -> dict:
+    """Run worker(rank, store_port, *args, out_path) in 2 spawned processes; return what rank 0 wrote."""
+    store = dist.TCPStore(HOST, 0, 3, is_master=True, wait_for_workers=False)
+    with tempfile.TemporaryDirectory(prefix="lbt-allreduce-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        mp.start_processes(worker, args=(store.port, *args, out), nprocs=2, join=True, start_method="spawn")
+        return json.loads(Path(out).read_text())
+
+
 def _worker(rank: int, port: int, sizes: list[int], rounds: int, quick: bool, memcpy_threads: list[int],
             out_path: str) -> None:
-    torch.set_num_threads(1)
-    store = dist.TCPStore(HOST, port, 2, is_master=False, timeout=__import__("datetime").timedelta(seconds=300))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    _join(rank, port)
     results = {"allreduce": {s: [] for s in sizes}, "memcpy": {f"{t}": {s: [] for s in sizes} for t in memcpy_threads}}
     try:
         for _ in range(rounds):
@@ -97,12 +112,7 @@ def measure(sizes: list[int] = SIZES, rounds: int = 5, quick: bool = False,
     Returns {"allreduce": {bytes: [seconds per round]}, "memcpy": {threads: {bytes: [...]}}}.
     """
     memcpy_threads = memcpy_threads or sorted({1, os.cpu_count() or 1})
-    store = dist.TCPStore(HOST, 0, 3, is_master=True, wait_for_workers=False)
-    with tempfile.TemporaryDirectory(prefix="lbt-allreduce-") as tmp:
-        out = os.path.join(tmp, "result.json")
-        mp.start_processes(_worker, args=(store.port, sizes, rounds, quick, memcpy_threads, out), nprocs=2,
-                           join=True, start_method="spawn")
-        raw = json.loads(Path(out).read_text())
+    raw = _run_pair(_worker, sizes, rounds, quick, memcpy_threads)
     return {
         "allreduce": {int(k): v for k, v in raw["allreduce"].items()},
         "memcpy": {int(t): {int(k): v for k, v in d.items()} for t, d in raw["memcpy"].items()},
@@ -132,9 +142,7 @@ def _busy(seconds: float, work: torch.Tensor) -> None:
 
 
 def _paced_worker(rank: int, port: int, sizes: list[int], ops: int, pace_s: float, out_path: str) -> None:
-    torch.set_num_threads(1)
-    store = dist.TCPStore(HOST, port, 2, is_master=False, timeout=__import__("datetime").timedelta(seconds=300))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    _join(rank, port)
     work = torch.randn(128, 128)
     results = {}
     try:
@@ -165,12 +173,7 @@ def paced(sizes: list[int], pace_s: float, ops: int = 200) -> dict[int, float]:
     the next scheduler tick (~4 ms): a tail that back-to-back ops, whose ranks
     never go idle, do not show. Means, not medians: a step time is a mean.
     """
-    store = dist.TCPStore(HOST, 0, 3, is_master=True, wait_for_workers=False)
-    with tempfile.TemporaryDirectory(prefix="lbt-allreduce-") as tmp:
-        out = os.path.join(tmp, "paced.json")
-        mp.start_processes(_paced_worker, args=(store.port, sizes, ops, pace_s, out), nprocs=2, join=True,
-                           start_method="spawn")
-        return {int(k): v for k, v in json.loads(Path(out).read_text()).items()}
+    return {int(k): v for k, v in _run_pair(_paced_worker, sizes, ops, pace_s).items()}
 
 
 PACED_SIZES = [1024 * 4**k for k in range(8)]  # 1 KiB .. 16 MiB: gradient sizes of small and mid models

@@ -78,9 +78,7 @@ def register_comm_hook(ddp: DistributedDataParallel, techniques: list[Technique]
     """DDP's one communication hook: the allreduce, wrapped by each technique in order, then timed."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    # None: the default process group. A hook that held the group object would keep
-    # it alive past destroy_process_group, and its late destruction aborts the process.
-    hook = partial(allreduce_hook, None)
+    hook = partial(allreduce_hook, None)  # None: the default process group
     for technique in techniques:
         hook = technique.comm_hook(hook, ddp)
     if timer is not None:

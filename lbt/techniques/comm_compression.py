@@ -78,18 +78,17 @@ class CommCompression(Technique):
 
     def comm_hook(self, inner: CommHook, ddp_model: nn.Module) -> CommHook:
         # Replaces the allreduce: the compressed hooks reduce the bucket themselves.
-        # Called only with real processes (with one, nothing is allreduced). Group None:
-        # the default one (see lbt.trainer.register_comm_hook for why no group object).
-        group = None
+        # Called only with real processes (with one, nothing is allreduced).
         shapes = [tuple(p.shape) for p in ddp_model.module.parameters() if p.requires_grad]
         sent = sum(compressed_bytes(s, self.kind, self.powersgd_rank) for s in shapes)
         self.bytes_ratio = sum(compressed_bytes(s, "none") for s in shapes) / max(sent, 1)
+        # Process group None: the default one, as for lbt's plain allreduce.
         if self.kind == "fp16":
-            return partial(default_hooks.fp16_compress_hook, group)
+            return partial(default_hooks.fp16_compress_hook, None)
         if self.kind == "bf16":
-            return partial(default_hooks.bf16_compress_hook, group)
+            return partial(default_hooks.bf16_compress_hook, None)
         state = powerSGD_hook.PowerSGDState(
-            process_group=group, matrix_approximation_rank=self.powersgd_rank,
+            process_group=None, matrix_approximation_rank=self.powersgd_rank,
             start_powerSGD_iter=self.start_powersgd_iter,
         )
         return partial(powerSGD_hook.powerSGD_hook, state)
