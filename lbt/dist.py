@@ -119,8 +119,7 @@ def launch_local(fn: Callable, args: tuple, procs: int) -> None:
 
     The parent owns the rendezvous store (port chosen by the OS, so no port can
     be "in use"). If any process fails, the rest are stopped within seconds and
-    WorkerDied names the rank that failed first: a rank killed by a signal is
-    the cause, peers that then lost it only report the consequence.
+    WorkerDied names the rank that caused it (see `_cause`).
     """
     store = dist.TCPStore(HOST, 0, procs + 1, is_master=True, wait_for_workers=False)
     context = mp.start_processes(fn, args=(store.port, *args), nprocs=procs, join=False, start_method="spawn")
@@ -170,12 +169,30 @@ def _stop_all(processes: list, failed: list[int], procs: int) -> None:
         p.join(timeout=5.0)
         if p.is_alive():
             p.kill()
-    killed = [rank for rank, code in codes.items() if code is not None and code < 0]
-    cause = killed[0] if killed else failed[0]
+    cause = _cause(codes, failed)
     if codes[cause] == 2:
         # A config error inside the worker: it already printed its one line.
         raise WorkerDied("")
     raise WorkerDied(f"worker rank {cause} failed ({_exit_reason(codes[cause])}); stopped the other {procs - 1} worker(s)")
+
+
+def _cause(codes: dict[int, int | None], failed: list[int]) -> int:
+    """The rank whose death brought the job down.
+
+    A peer that loses its partner mid-collective either raises (an exit code)
+    or, inside gloo's C++ threads, aborts ("terminate called without an active
+    exception", SIGABRT), and it may do so in the same instant the real cause
+    dies. So a rank killed by any other signal (OOM killer, SIGKILL, SIGSEGV)
+    is the cause first, then a rank that exited with an error, then SIGABRT;
+    ties go to the rank seen failing first.
+    """
+    def kind(code: int) -> int:
+        if code < 0:
+            return 2 if -code == signal.SIGABRT else 0
+        return 1
+
+    dead = failed + [rank for rank, code in codes.items() if code not in (None, 0) and rank not in failed]
+    return min(dead, key=lambda rank: (kind(codes[rank]), dead.index(rank)))
 
 
 def shard_indices(num_samples: int, world_size: int, seed: int, epoch: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FAST, final_params, lbt_cli, relative_diff
+from lbt.dist import _cause
 
 RUN = FAST + ["model=mlp", "data.num_train=640", "trainer.epochs=2", "trainer.global_batch=64"]
 
@@ -101,3 +102,17 @@ def test_dead_worker_stops_the_job_and_names_its_rank(tmp_path):
     assert job.returncode != 0
     assert "rank 1" in err and "SIGKILL" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("codes, failed, cause", [
+    # rank 1 SIGKILLed; rank 0 aborted in gloo in the same instant and was seen first
+    ({0: -signal.SIGABRT, 1: -signal.SIGKILL}, [0, 1], 1),
+    # rank 2 raised; rank 0 then aborted on the lost peer, rank 1 still running
+    ({0: -signal.SIGABRT, 1: None, 2: 1}, [0], 2),
+    # two ranks raised: the one seen first
+    ({0: 1, 1: 1}, [1], 1),
+    # only aborts: still name one
+    ({0: -signal.SIGABRT, 1: -signal.SIGABRT}, [1, 0], 1),
+])
+def test_dead_worker_report_names_the_cause_not_the_peer_that_lost_it(codes, failed, cause):
+    assert _cause(codes, failed) == cause
