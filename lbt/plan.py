@@ -555,9 +555,11 @@ def plan_main(argv: list[str]) -> int:
         print(f"lbt plan: error: {error}", file=sys.stderr)
         return 2
     nbytes = gradient_bytes(compute.num_params, options.compression)
+    # The parts are medians; the table's W=1 row uses the mean step (what an epoch adds up to).
+    mean_step = f"; mean step {compute.slowest_of(1) * 1e3:.2f} ms" if compute.step_samples else ""
     print(f"compute: {compute.total_s * 1e3:.2f} ms per worker step at b={compute.per_worker_batch} "
           f"(forward {compute.forward_s * 1e3:.2f} + backward {compute.backward_s * 1e3:.2f} + optimizer "
-          f"{compute.optimizer_s * 1e3:.2f} ms; {compute.source})")
+          f"{compute.optimizer_s * 1e3:.2f} ms{mean_step}; {compute.source})")
     print(f"gradient: {compute.num_params:,} parameters -> {nbytes / 1e6:,.3f} MB per allreduce "
           f"({'fp32' if options.compression == 'none' else options.compression})")
     print(f"network: {network.name}, {network.bandwidth_gbps:g} Gb/s, {network.latency_us:g} us ({network.source})")
