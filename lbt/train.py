@@ -255,7 +255,7 @@ def _resume_point(resume: str | None, checkpointer: Checkpointer) -> dict | None
         raise ConfigError(f"trainer.resume must be null or auto, got {resume!r}")
     latest = checkpointer.latest()
     if latest is None and checkpointer.rank == 0:
-        print(f"lbt: no checkpoint in {checkpointer.root}; starting from scratch", file=sys.stderr, flush=True)
+        print(f"lbt: note: no checkpoint in {checkpointer.root}; starting from scratch", file=sys.stderr, flush=True)
     return latest
 
 

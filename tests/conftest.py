@@ -10,10 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from hypothesis import settings
 from omegaconf import open_dict
 
 from lbt.paths import conf_dir
 from lbt.train import run
+
+# Generated tests draw the same examples on every run, so a red suite is red for the
+# code and can be rerun; `pytest --hypothesis-profile=explore` draws fresh ones.
+settings.register_profile("repeatable", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile("repeatable")
 
 # Tiny runs on the 2-core CI machine: quiet, CPU.
 FAST = ["data=synthetic", "trainer.progress=false", "trainer.device=cpu"]
