@@ -191,8 +191,9 @@ def _cause(codes: dict[int, int | None], failed: list[int]) -> int:
             return 2 if -code == signal.SIGABRT else 0
         return 1
 
-    dead = failed + [rank for rank, code in codes.items() if code not in (None, 0) and rank not in failed]
-    return min(dead, key=lambda rank: (kind(codes[rank]), dead.index(rank)))
+    seen_later = [rank for rank, code in codes.items() if code not in (None, 0) and rank not in failed]
+    dead = failed + seen_later  # in the order they were seen; min() keeps the first of equal kinds
+    return min(dead, key=lambda rank: kind(codes[rank]))
 
 
 def shard_indices(num_samples: int, world_size: int, seed: int, epoch: int) -> torch.Tensor:

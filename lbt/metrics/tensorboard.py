@@ -75,9 +75,7 @@ class RunLogger:
                 writer.flush()
 
     def close(self) -> None:
-        if self.writer is not None:
-            self._write_pending()
+        self.flush()
         for writer in (self.writer, self.samples_writer):
             if writer is not None:
-                writer.flush()
                 writer.close()
