@@ -38,8 +38,10 @@ def compose(overrides: list[str]) -> tuple[dict, str | None]:
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf, open_dict
 
-    import lbt.train  # noqa: F401  (registers the config schemas with Hydra's ConfigStore)
+    from lbt.cli import register_schemas
     from lbt.paths import conf_dir
+
+    register_schemas()
 
     with initialize_config_dir(str(conf_dir()), version_base="1.3", job_name="bench"):
         cfg = hydra_compose("config", overrides=list(overrides), return_hydra_config=True)
@@ -62,9 +64,9 @@ def run_lbt(overrides: list[str], quiet: bool = True) -> dict:
 
 
 def run_lbt_subprocess(overrides: list[str], timeout: float = 900) -> dict:
-    """One `python -m lbt.train OVERRIDES` in a fresh process (as a user runs it); returns result.json."""
+    """One `python -m lbt train OVERRIDES` in a fresh process (as a user runs it); returns result.json."""
     with tempfile.TemporaryDirectory(prefix="lbt-bench-") as run_dir:
-        args = [sys.executable, "-m", "lbt.train", *LBT_BASE, *overrides, f"hydra.run.dir={run_dir}"]
+        args = [sys.executable, "-m", "lbt", "train", *LBT_BASE, *overrides, f"hydra.run.dir={run_dir}"]
         done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=timeout)
         path = Path(run_dir) / "result.json"
         if done.returncode != 0 or not path.exists():
@@ -174,11 +176,12 @@ def build_data(config: dict):
 def build_model(config: dict, data):
     """Model, optimizer and loss from a resolved lbt config, the way lbt/train.py builds them."""
     import torch
-    from hydra.utils import instantiate
+
+    from lbt.train import build
 
     torch.manual_seed(config["trainer"]["seed"])
-    model = instantiate(config["model"], input_shape=tuple(data.input_shape), num_classes=data.num_classes)
-    optimizer = instantiate(config["optim"])(model.parameters())
+    model = build(config["model"], "model", input_shape=tuple(data.input_shape), num_classes=data.num_classes)
+    optimizer = build(config["optim"], "optim")(model)
     return model, optimizer, torch.nn.CrossEntropyLoss()
 
 

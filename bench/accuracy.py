@@ -121,7 +121,7 @@ def run_job(job: Job) -> dict:
     if result_file.exists():
         return json.loads(result_file.read_text())
     job.run_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "lbt.cli", "train", *job.overrides, f"hydra.run.dir={job.run_dir}"]
+    command = [sys.executable, "-m", "lbt", "train", *job.overrides, f"hydra.run.dir={job.run_dir}"]
     (job.run_dir / "command.txt").write_text(" ".join(command[2:]) + "\n")
     with open(job.run_dir / "train.log", "w") as log:
         code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT,

@@ -41,7 +41,7 @@ def main() -> None:
     epochs = 10 if options.quick else options.epochs
     samples = 2048 if options.quick else 8192
     with tempfile.TemporaryDirectory() as run_dir:
-        command = [sys.executable, "-m", "lbt.cli", "train", "data=synthetic", f"data.num_train={samples}",
+        command = [sys.executable, "-m", "lbt", "train", "data=synthetic", f"data.num_train={samples}",
                    "model=cnn1d", f"trainer.epochs={epochs}", "trainer.progress=false", "dist.world_size=4",
                    f"dist.procs={options.procs}",
                    "measure=[gns]", f"hydra.run.dir={run_dir}"]

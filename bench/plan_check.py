@@ -12,7 +12,7 @@ process (lbt's default for P=2 on 2 cores: the cores are shared out):
   gloo link as bench/allreduce.py measures and fits it *paced* (each allreduce
   after a step's worth of compute, as in training: see `allreduce.paced`);
   step = slowest compute + ring_allreduce(4 x params bytes, W=P);
-- measured: `python -m lbt.train model=cnn1d dist.world_size=P dist.procs=P
+- measured: `python -m lbt train model=cnn1d dist.world_size=P dist.procs=P
   trainer.per_worker_batch=b` (fresh processes), step = global_batch / samples_per_sec.
 Each repeat profiles, measures the network, then runs P=1 and P=2, so a
 changing load on the machine hits prediction and measurement alike.

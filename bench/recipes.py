@@ -68,7 +68,7 @@ def study(args: argparse.Namespace, part: str, world_sizes: list[int], seeds: in
         return
     budget = ["data.num_samples=7000", "trainer.epochs=2"] if args.quick else ["data.num_samples=70000", "trainer.epochs=10"]
     command = [
-        sys.executable, "-m", "lbt.cli", "study", "study=default",
+        sys.executable, "-m", "lbt", "study", "study=default",
         f"recipe={','.join(args.recipes)}",
         f"dist.world_size={','.join(map(str, world_sizes))}",
         f"trainer.seed={','.join(map(str, range(seeds)))}",
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         study(args, "base_seeds", small, args.base_seeds)
     if large:
         study(args, "large", large, args.seeds)
-    subprocess.run([sys.executable, "-m", "lbt.cli", "report", str(args.out)], stdout=subprocess.DEVNULL, check=False)
+    subprocess.run([sys.executable, "-m", "lbt", "report", str(args.out)], stdout=subprocess.DEVNULL, check=False)
     summary_file = args.out / "summary.json"
     if not summary_file.exists():
         sys.exit(f"bench/recipes.py: no report in {args.out}; see the study.log files there")

@@ -13,7 +13,7 @@ both relative to W=1 (one worker of batch B) in the same repeat. Target: fused
 >= 0.8 of W=1 at every W. Warm-up excluded (one short unmeasured run per
 configuration); configurations alternate order between repeats.
 
-Then real processes on this machine (each a fresh `python -m lbt.train`, so
+Then real processes on this machine (each a fresh `python -m lbt train`, so
 start-up is excluded but each run's first step is cold, alike for all):
 W=2 on P=2 processes (gloo over loopback, cores split between them) against
 W=2 simulated on P=1 and W=1 on P=1, at the same B.

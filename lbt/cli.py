@@ -1,13 +1,28 @@
-"""`lbt` command line: `lbt train [hydra overrides]`.
+"""The `lbt` command: `lbt train | study | report | plan`, also as `python -m lbt` and `torchrun -m lbt`.
 
-Together with lbt/train.py, the only place that imports Hydra. A config
-mistake ends with one line on stderr and exit code 2, never a traceback.
+The one entry module: Hydra's main, argument handling and failure recording
+live here; the library (`lbt.train.run` and what it builds) never imports it.
+Together with lbt/train.py (which builds objects with hydra.utils.instantiate),
+the only place that imports Hydra. A config mistake ends with one line on
+stderr and exit code 2, never a traceback.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from lbt import dist as lbt_dist
+from lbt.config import DistConfig, ScheduleConfig, TrainerConfig
+from lbt.errors import ConfigError
+from lbt.paths import conf_dir
+from lbt.train import check_layout, exit_worker, record_failure, run
 
 USAGE = """usage: lbt COMMAND [args]
 
@@ -42,6 +57,14 @@ def one_line(error: BaseException) -> str:
     return " ".join(parts) or type(error).__name__
 
 
+def register_schemas() -> None:
+    """The typed schemas of conf/{dist,trainer,schedule}/ (their `defaults` name them); call before composing."""
+    store = ConfigStore.instance()
+    store.store(group="dist", name="dist_schema", node=DistConfig)
+    store.store(group="trainer", name="trainer_schema", node=TrainerConfig)
+    store.store(group="schedule", name="schedule_schema", node=ScheduleConfig)
+
+
 def fail(message: str) -> None:
     print(f"lbt: error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
@@ -54,13 +77,6 @@ def precheck(overrides: list[str]) -> None:
     HYDRA_FULL_ERROR; composing here first turns them into one line.
     """
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from lbt.errors import ConfigError
-    from lbt.paths import conf_dir
-    from lbt.train import _check_layout
-    from lbt import dist as lbt_dist
-
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     try:
@@ -73,11 +89,9 @@ def precheck(overrides: list[str]) -> None:
         with initialize_config_dir(str(conf_dir()), version_base="1.3", job_name="lbt_precheck"):
             cfg = compose("config", overrides=overrides)
         config = OmegaConf.to_container(cfg, resolve=True)
-        _check_layout(config, lbt_dist.torchrun_env())
-        # The output folder: as given, else under ./runs (both defaults of conf/config.yaml).
-        # Read from the overrides: composing Hydra's own config here (which loads every
-        # launcher plugin) made the spawned workers of a later P=2 run abort at exit
-        # (SIGABRT, "terminate called without an active exception") in ~7% of runs.
+        check_layout(config, lbt_dist.torchrun_env())
+        # The output folder, read from the overrides (as given, else under ./runs): composing
+        # Hydra's own config here made later P=2 workers abort at exit (bench/README.md "Known incidents").
         folders = {o.key_or_group: o.value() for o in parsed if o.key_or_group in ("hydra.run.dir", "hydra.sweep.dir")}
         for key, folder in (folders or {"hydra.run.dir": "runs"}).items():
             check_writable(str(folder), key)
@@ -91,8 +105,6 @@ def check_writable(folder: str, key: str) -> None:
     """The run folder can be created and written, or one line says why (before Hydra tries)."""
     from pathlib import Path
 
-    from lbt.errors import ConfigError
-
     path = Path(folder).expanduser().absolute()
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
@@ -102,9 +114,7 @@ def check_writable(folder: str, key: str) -> None:
 
 
 def train_command(args: list[str]) -> None:
-    from lbt.dist import torchrun_env
-
-    env = torchrun_env()
+    env = lbt_dist.torchrun_env()
     worker_rank = env["rank"] if env else 0
     plain_overrides = not any(arg.startswith("-") for arg in args)
     if plain_overrides:
@@ -115,10 +125,34 @@ def train_command(args: list[str]) -> None:
             # create folders or log files of their own (see lbt.train._agree_on_run_dir).
             args = args + ["hydra.output_subdir=null", "hydra.run.dir=.",
                            "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
-    from lbt.train import hydra_main
-
     sys.argv = ["lbt train", *args]
     hydra_main()
+
+
+@hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")
+def hydra_main(cfg: DictConfig) -> None:
+    hydra_cfg = HydraConfig.get()
+    output_dir = hydra_cfg.runtime.output_dir
+    recipe = hydra_cfg.runtime.choices.get("recipe")
+    # In a sweep, a failing job is recorded in its result.json and the sweep goes on.
+    sweeping = hydra_cfg.mode == RunMode.MULTIRUN
+    overrides = list(hydra_cfg.overrides.task)
+    try:
+        run(cfg, output_dir, recipe=recipe, overrides=overrides)
+        return
+    except (ConfigError, lbt_dist.WorkerDied) as error:
+        if str(error):
+            print(f"lbt: error: {error}", file=sys.stderr, flush=True)
+        if not sweeping:
+            sys.exit(2 if isinstance(error, ConfigError) or not str(error) else 1)
+        message = str(error) or "config error in a worker"
+    except Exception as error:  # a crash in one job of a sweep must not stop the others
+        if not sweeping:
+            raise
+        print(f"lbt: job failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        message = f"{type(error).__name__}: {error}"
+    config = OmegaConf.to_container(cfg, resolve=True)
+    record_failure({**config, "recipe": recipe, "overrides": overrides}, output_dir, message)
 
 
 def extra_sweeps(args: list[str]) -> list[tuple[str, list[str]]]:
@@ -130,9 +164,6 @@ def extra_sweeps(args: list[str]) -> list[tuple[str, list[str]]]:
     """
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    import lbt.train  # noqa: F401  (registers the config schemas)
-    from lbt.paths import conf_dir
 
     try:
         parsed = OverridesParser.create().parse_overrides([a for a in args if not a.startswith("-")])
@@ -186,7 +217,6 @@ def study_command(args: list[str]) -> None:
 def report_command(args: list[str]) -> None:
     import argparse
 
-    from lbt.errors import ConfigError
     from lbt.report import write_report
 
     parser = argparse.ArgumentParser(prog="lbt report", description="Report of a study (multirun) folder.")
@@ -210,8 +240,11 @@ def main(argv: list[str] | None = None) -> None:
         print(USAGE)
         return
     command, args = argv[0], argv[1:]
+    register_schemas()
     if command == "train":
         train_command(args)
+        if lbt_dist.torchrun_env() is not None:  # a torchrun worker: see lbt.train.exit_worker
+            exit_worker()
     elif command == "study":
         study_command(args)
     elif command == "report":

@@ -1,20 +1,25 @@
-"""Typed schemas of the main config groups, and the batch arithmetic.
+"""Typed schemas of the main config groups, and the batch arithmetic in one place.
 
-The dataclasses are plain: the entry point registers them with Hydra's
-ConfigStore, so a typo (`dist.wrold_size=4`) or a wrong type
+The dataclasses are plain: the entry point (lbt/cli.py) registers them with
+Hydra's ConfigStore, so a typo (`dist.wrold_size=4`) or a wrong type
 (`trainer.per_worker_batch=abc`) fails when the config is composed.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field, replace
+from typing import List, Optional
 
 from lbt.errors import ConfigError
+from lbt.validate import integer, number, one_of
 
 # Per-worker batch used when a run gives neither batch size.
 DEFAULT_PER_WORKER_BATCH = 64
+# Upper bounds that catch typos (an extra zero or two) before they cost hours or memory.
+MAX_EPOCHS = 100_000
+MAX_LOCAL_PROCS = 256
+MAX_THREADS = 1024
 
 
 @dataclass
@@ -41,6 +46,44 @@ class TrainerConfig:
     resume: Optional[str] = None
 
 
+@dataclass
+class ScheduleConfig:
+    """The `schedule` node: everything the LR depends on (lbt/lr.py reads it)."""
+
+    scaling: str = "none"
+    base_batch: int = 64
+    warmup_epochs: float = 0.0
+    warmup_samples: Optional[int] = None
+    warmup_start: Optional[float] = None
+    warmup_mode: str = "linear"
+    decay: str = "cosine"
+    final_factor: float = 0.0
+    power: float = 2.0
+    milestones: List[float] = field(default_factory=list)
+    gamma: float = 0.1
+
+
+def check_trainer(cfg: dict) -> None:
+    """Range checks of the trainer node that the schema's types cannot express."""
+    integer("trainer.epochs", cfg["epochs"], 1, MAX_EPOCHS)
+    integer("trainer.log_every", cfg["log_every"])
+    integer("trainer.checkpoint_every", cfg["checkpoint_every"], 0)
+    one_of("trainer.resume", cfg["resume"], (None, "auto"))
+    one_of("trainer.device", cfg["device"], ("auto", "cpu", "cuda"))
+    if cfg["max_steps"] is not None:
+        integer("trainer.max_steps", cfg["max_steps"])
+    if cfg["threads"] is not None:
+        integer("trainer.threads", cfg["threads"], 1, MAX_THREADS)
+
+
+def check_dist(cfg: dict, under_torchrun: bool) -> None:
+    number("dist.timeout_s", cfg["timeout_s"], 0, 86_400, low_open=True)
+    one_of("dist.backend", cfg["backend"], ("auto", "gloo", "nccl"))
+    if not under_torchrun and isinstance(cfg["procs"], int) and cfg["procs"] > MAX_LOCAL_PROCS:
+        raise ConfigError(f"dist.procs={cfg['procs']}: lbt's local launcher starts at most {MAX_LOCAL_PROCS} "
+                          "processes on one machine; use torchrun or a cluster launcher for more")
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     """Who processes how many samples per optimizer step.
@@ -53,13 +96,26 @@ class BatchPlan:
     procs: int
     per_worker_batch: int
     global_batch: int
+    # The LR multiplier of a batch ramp that can no longer grow the batch (Smith et al. 2017).
+    lr_factor: float = 1.0
 
     @property
     def workers_per_proc(self) -> int:
         return self.world_size // self.procs
 
     def steps_per_epoch(self, num_train: int) -> int:
+        """Whole steps only (drop_last): the remainder of the shuffled epoch is not trained on."""
         return num_train // self.global_batch
+
+    def grown(self, growth: int, grow: str, lr_factor: float = 1.0) -> BatchPlan:
+        """This plan with the global batch multiplied by `growth`, through more workers or bigger ones."""
+        if grow == "world_size":
+            world_size = self.world_size * growth
+            return replace(self, world_size=world_size, global_batch=world_size * self.per_worker_batch,
+                           lr_factor=lr_factor)
+        per_worker = self.per_worker_batch * growth
+        return replace(self, per_worker_batch=per_worker, global_batch=per_worker * self.world_size,
+                       lr_factor=lr_factor)
 
     def describe(self, num_train: int) -> str:
         simulated = f" x {self.workers_per_proc} simulated" if self.workers_per_proc > 1 else ""
@@ -70,12 +126,6 @@ class BatchPlan:
         )
 
 
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
 def plan_batches(
     world_size: int,
     procs: int,
@@ -84,8 +134,8 @@ def plan_batches(
     num_train: Optional[int] = None,
 ) -> BatchPlan:
     """Check the batch arithmetic in one place and derive the missing batch size."""
-    world_size = _positive_int("dist.world_size", world_size)
-    procs = _positive_int("dist.procs", procs)
+    world_size = integer("dist.world_size", world_size)
+    procs = integer("dist.procs", procs)
     if world_size % procs:
         raise ConfigError(
             f"dist.procs={procs} does not divide dist.world_size={world_size}: "
@@ -94,9 +144,9 @@ def plan_batches(
     if per_worker_batch is None and global_batch is None:
         per_worker_batch = DEFAULT_PER_WORKER_BATCH
     if per_worker_batch is not None:
-        per_worker_batch = _positive_int("trainer.per_worker_batch", per_worker_batch)
+        per_worker_batch = integer("trainer.per_worker_batch", per_worker_batch)
     if global_batch is not None:
-        global_batch = _positive_int("trainer.global_batch", global_batch)
+        global_batch = integer("trainer.global_batch", global_batch)
         if global_batch % world_size:
             raise ConfigError(
                 f"trainer.global_batch={global_batch} is not divisible by "
@@ -112,54 +162,67 @@ def plan_batches(
             )
         per_worker_batch = derived
     plan = BatchPlan(world_size, procs, per_worker_batch, per_worker_batch * world_size)
-    if num_train is not None and plan.steps_per_epoch(num_train) < 1:
+    if num_train is not None:
+        check_fits(plan, num_train)
+    return plan
+
+
+def check_fits(plan: BatchPlan, num_train: int) -> None:
+    if plan.steps_per_epoch(num_train) < 1:
         raise ConfigError(
             f"global_batch={plan.global_batch} is larger than the training set "
             f"({num_train} samples): no full step fits in an epoch"
         )
-    return plan
 
 
-# Upper bounds that catch typos (an extra zero or two) before they cost hours or memory.
-MAX_EPOCHS = 100_000
-MAX_LOCAL_PROCS = 256
-MAX_THREADS = 1024
+@dataclass(frozen=True)
+class Budget:
+    """The steps a run takes: each epoch's batch plan and step count (trainer.max_steps may end it early)."""
+
+    plans: tuple[BatchPlan, ...]
+    steps: tuple[int, ...]
+
+    @property
+    def total_steps(self) -> int:
+        return sum(self.steps)
+
+    @property
+    def total_samples(self) -> int:
+        return sum(n * plan.global_batch for plan, n in zip(self.plans, self.steps))
+
+    @property
+    def last_step_samples(self) -> int:
+        """Samples seen when the run's last step starts."""
+        last = max(e for e, n in enumerate(self.steps) if n) if self.total_steps else 0
+        return max(0, self.total_samples - self.plans[last].global_batch)
+
+    def samples_at(self, epochs: float) -> int:
+        """Samples seen after `epochs` epochs of the steps the run takes, rounded up to a step boundary."""
+        samples = 0.0
+        for plan, steps in zip(self.plans, self.steps):
+            samples += min(max(epochs, 0.0), 1.0) * steps * plan.global_batch
+            epochs -= 1
+        return self.step_boundary(samples)[1]
+
+    def step_boundary(self, samples: float) -> tuple[int, int]:
+        """(step, samples seen) at the first step boundary at or after `samples` (the end of the run at most)."""
+        step = seen = 0
+        for plan, steps in zip(self.plans, self.steps):
+            epoch_samples = steps * plan.global_batch
+            if samples <= seen + epoch_samples:
+                # The tolerance keeps float noise in a fractional epoch from adding a whole step.
+                n = max(0, math.ceil((samples - seen) / plan.global_batch - 1e-9))
+                return step + n, seen + n * plan.global_batch
+            step, seen = step + steps, seen + epoch_samples
+        return step, seen
 
 
-def check_trainer(cfg: TrainerConfig | dict) -> None:
-    """Range checks the schema's types cannot express."""
-    get = cfg.get if isinstance(cfg, dict) else lambda k: getattr(cfg, k)
-    _positive_int("trainer.epochs", get("epochs"))
-    if get("epochs") > MAX_EPOCHS:
-        raise ConfigError(f"trainer.epochs={get('epochs')} is more than {MAX_EPOCHS:,}; use trainer.max_steps to cap a run")
-    if get("threads") is not None and get("threads") > MAX_THREADS:
-        raise ConfigError(f"trainer.threads={get('threads')} is more than {MAX_THREADS}")
-    _positive_int("trainer.log_every", get("log_every"))
-    if isinstance(get("checkpoint_every"), bool) or not isinstance(get("checkpoint_every"), int) \
-            or get("checkpoint_every") < 0:
-        raise ConfigError(f"trainer.checkpoint_every must be a non-negative integer, got {get('checkpoint_every')!r}")
-    if get("resume") not in (None, "auto"):
-        raise ConfigError(f"trainer.resume must be null or auto, got {get('resume')!r}")
-    if get("max_steps") is not None:
-        _positive_int("trainer.max_steps", get("max_steps"))
-    if get("threads") is not None:
-        _positive_int("trainer.threads", get("threads"))
-    if get("device") not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"trainer.device must be auto, cpu or cuda, got {get('device')!r}")
-
-
-def check_dist(cfg: dict, under_torchrun: bool) -> None:
-    timeout = cfg.get("timeout_s")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86_400:
-        raise ConfigError(f"dist.timeout_s must be a number of seconds in (0, 86400], got {timeout!r}")
-    if cfg.get("backend") not in ("auto", "gloo", "nccl"):
-        raise ConfigError(f"dist.backend must be auto, gloo or nccl, got {cfg.get('backend')!r}")
-    procs = cfg.get("procs")
-    if not under_torchrun and isinstance(procs, int) and procs > MAX_LOCAL_PROCS:
-        raise ConfigError(f"dist.procs={procs}: lbt's local launcher starts at most {MAX_LOCAL_PROCS} processes "
-                          "on one machine; use torchrun or a cluster launcher for more")
-
-
-def lr_is_sane(lr) -> None:
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
-        raise ConfigError(f"optim.lr must be a positive number, got {lr!r}")
+def make_budget(plans: list[BatchPlan], num_train: int, max_steps: Optional[int]) -> Budget:
+    """Steps per epoch at each epoch's batch, cut off after max_steps in all."""
+    steps, left = [], max_steps if max_steps is not None else math.inf
+    for plan in plans:
+        check_fits(plan, num_train)
+        taken = int(min(plan.steps_per_epoch(num_train), left))
+        steps.append(taken)
+        left -= taken
+    return Budget(tuple(plans), tuple(steps))

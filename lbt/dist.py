@@ -42,10 +42,6 @@ class DistContext:
         return self.world_size // self.procs
 
     @property
-    def first_worker(self) -> int:
-        return self.rank * self.workers_per_proc
-
-    @property
     def is_main(self) -> bool:
         return self.rank == 0
 
@@ -279,6 +275,12 @@ def process_group(backend: str, rank: int, procs: int, timeout_s: float, store_p
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def note(message: str) -> None:
+    """A `lbt: note:` line on stderr, from rank 0 only (every rank reaches the same conclusions)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"lbt: note: {message}", file=sys.stderr, flush=True)
 
 
 def flush_std() -> None:

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from lbt.techniques.ghost_bn import GhostBatchNorm
-
-_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+from lbt.nn import GhostBatchNorm, replace_batchnorms
 
 
 def per_worker_batchnorm(model: nn.Module, per_worker_batch: int) -> list[GhostBatchNorm]:
@@ -28,19 +26,7 @@ def per_worker_batchnorm(model: nn.Module, per_worker_batch: int) -> list[GhostB
     A GhostBatchNorm already present (technique ghost_bn, ghost batches dividing
     per_worker_batch) already keeps workers apart and is left alone.
     """
-    converted: list[GhostBatchNorm] = []
-
-    def visit(module: nn.Module) -> None:
-        for name, child in module.named_children():
-            if isinstance(child, _BATCH_NORMS) and not isinstance(child, GhostBatchNorm):
-                worker_bn = GhostBatchNorm.from_batchnorm(child, per_worker_batch)
-                setattr(module, name, worker_bn)
-                converted.append(worker_bn)
-            else:
-                visit(child)
-
-    visit(model)
-    return converted
+    return replace_batchnorms(model, lambda bn: GhostBatchNorm.from_batchnorm(bn, per_worker_batch))
 
 
 def set_per_worker_batch(layers: list[GhostBatchNorm], per_worker_batch: int) -> None:

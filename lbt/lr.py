@@ -1,124 +1,151 @@
-"""Learning-rate factors, as pure functions of samples seen.
+"""The learning rate: one pure function of samples seen, `lr_at(samples_seen, schedule)`.
 
-The learning rate at any point of a run is a product of independent factors:
-
-    lr = base_lr * scaling_factor(...) * warmup_factor(...) * decay_factor(...)
-
-Progress is measured in samples seen, not steps, so a run whose global batch
-grows mid-training (Smith et al. 2017) follows the same LR curve per sample as
-one with a fixed batch, and a resumed run needs no hidden scheduler state.
+The `schedule` config node (conf/schedule/) holds everything the LR depends on:
+the scaling rule and its base batch, the warmup, the decay. `build_schedule`
+turns it, once per run, into a `Schedule` whose lengths are sample counts on
+step boundaries; `lr_at` reads it top to bottom. Progress is counted in samples
+seen, not steps, so a batch ramp does not distort the curve and a resumed run
+needs no scheduler state.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping
+from dataclasses import dataclass
 
+from lbt.config import Budget
 from lbt.errors import ConfigError
+from lbt.validate import integer, number, one_of
 
 SCALING_RULES = ("none", "linear", "sqrt")
 WARMUP_MODES = ("linear", "constant")
-DECAY_SCHEDULES = ("constant", "cosine", "poly", "step")
+DECAYS = ("constant", "cosine", "poly", "step")
 
 
 def scaling_factor(global_batch: int, base_batch: int, rule: str) -> float:
-    """How much to multiply the base LR by when training at `global_batch`.
+    """How much the scaling rule multiplies the base LR by at `global_batch`.
 
     - "none": 1.
-    - "linear": B / base_batch, the linear scaling rule (Goyal et al. 2017,
-      "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour").
+    - "linear": B / base_batch (Goyal et al. 2017, "Accurate, Large Minibatch SGD", sec. 2.1).
     - "sqrt": sqrt(B / base_batch), which keeps the variance of the update
       constant (Krizhevsky 2014, "One weird trick for parallelizing CNNs").
     """
-    if global_batch <= 0 or base_batch <= 0:
-        raise ConfigError(
-            f"global_batch ({global_batch}) and base_batch ({base_batch}) must be positive"
-        )
     ratio = global_batch / base_batch
-    if rule == "none":
-        return 1.0
-    if rule == "linear":
-        return ratio
-    if rule == "sqrt":
-        return math.sqrt(ratio)
-    raise ConfigError(
-        f"unknown LR scaling rule {rule!r}: expected one of {', '.join(SCALING_RULES)}"
-    )
+    return {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[rule]
 
 
-def warmup_factor(
-    samples_seen: float, warmup_samples: float, start_factor: float, mode: str = "linear"
-) -> float:
-    """Warmup multiplier: `start_factor` at 0 samples, 1.0 from `warmup_samples` on.
+@dataclass(frozen=True)
+class Schedule:
+    """The LR schedule of one run, every length in samples seen (see `build_schedule`)."""
 
-    - "linear": gradual warmup, a straight line from start_factor to 1.0
-      (Goyal et al. 2017, 5 epochs). With start_factor = 1/k, where k is the
-      scaling factor, the run starts at the unscaled base LR as in the paper.
-    - "constant": hold start_factor until warmup_samples, then jump to 1.0
-      (the "constant warmup" Goyal et al. compare against).
+    base_lr: float  # optim.lr: the LR at base_batch, before scaling
+    global_batch: int  # the run's configured global batch (a batch ramp does not move it)
+    base_batch: int
+    scaling: str  # none | linear | sqrt
+    warmup_samples: int  # warmup ends, and decay starts, on this step boundary
+    warmup_start: float | None  # start LR as a fraction of the peak; None: the unscaled base LR
+    warmup_mode: str  # linear | constant
+    decay: str  # constant | cosine | poly | step
+    total_samples: int
+    final_factor: float = 0.0
+    power: float = 2.0
+    # (samples, multiplier): step-decay milestones, and a capped batch ramp's LR divisions
+    drops: tuple[tuple[int, float], ...] = ()
 
-    warmup_samples == 0 means no warmup.
+
+def lr_at(samples_seen: float, s: Schedule) -> float:
+    """The LR of the step taken after `samples_seen` samples; the one place lbt computes it.
+
+        peak    = base_lr x scaling(global_batch / base_batch)
+        warmup  : from the start LR to the peak over [0, warmup_samples)       (Goyal 2017, sec. 2.2)
+        decay   : from the peak at warmup_samples to final_factor x peak at total_samples
+        drops   : x multiplier from each (samples, multiplier) reached         (step decay, Smith 2017 ramp)
     """
-    if mode not in WARMUP_MODES:
-        raise ConfigError(
-            f"unknown warmup mode {mode!r}: expected one of {', '.join(WARMUP_MODES)}"
-        )
-    if warmup_samples < 0:
-        raise ConfigError(f"warmup_samples ({warmup_samples}) must be >= 0")
-    if samples_seen >= warmup_samples:
-        return 1.0
-    if mode == "constant":
-        return start_factor
-    progress = max(samples_seen, 0.0) / warmup_samples
-    return start_factor + (1.0 - start_factor) * progress
-
-
-def decay_factor(
-    samples_seen: float,
-    total_samples: float,
-    schedule: str,
-    *,
-    milestones_samples: Sequence[float] = (),
-    gamma: float = 0.1,
-    power: float = 2.0,
-    final_factor: float = 0.0,
-    start_samples: float = 0.0,
-) -> float:
-    """Decay multiplier, 1.0 at the start of training.
-
-    - "constant": 1.
-    - "cosine": final + (1 - final) * (1 + cos(pi t)) / 2 (Loshchilov & Hutter
-      2017, SGDR, without restarts).
-    - "poly": final + (1 - final) * (1 - t) ** power, the polynomial decay of
-      the LARS papers (You et al. 2017 use power 2).
-    - "step": gamma ** (number of milestones reached), milestones given as
-      absolute sample counts (Goyal et al. 2017 divide by 10 at epochs 30, 60, 80).
-
-    For cosine and poly, t = (samples_seen - start_samples) / (total_samples -
-    start_samples), clamped to [0, 1]. `start_samples` holds the factor at 1.0
-    until decay should begin, e.g. the end of warmup or of a batch ramp, so the
-    decay spans exactly the rest of training instead of being partly hidden
-    under the warmup.
-    """
-    if schedule == "constant":
-        return 1.0
-    if schedule == "step":
-        # bisect_right counts milestones <= samples_seen: a milestone applies from its sample on.
-        return gamma ** bisect.bisect_right(sorted(milestones_samples), samples_seen)
-    if schedule not in DECAY_SCHEDULES:
-        raise ConfigError(
-            f"unknown LR decay schedule {schedule!r}: expected one of {', '.join(DECAY_SCHEDULES)}"
-        )
-    if total_samples <= start_samples:
-        raise ConfigError(
-            f"total_samples ({total_samples}) must exceed start_samples ({start_samples}) "
-            f"for the {schedule!r} decay"
-        )
-    t = (samples_seen - start_samples) / (total_samples - start_samples)
-    t = min(max(t, 0.0), 1.0)
-    if schedule == "cosine":
-        shape = 0.5 * (1.0 + math.cos(math.pi * t))
+    peak = s.base_lr * scaling_factor(s.global_batch, s.base_batch, s.scaling)
+    if samples_seen < s.warmup_samples:
+        start = min(s.base_lr, peak) if s.warmup_start is None else s.warmup_start * peak
+        if s.warmup_mode == "constant":
+            lr = start
+        else:
+            lr = start + (peak - start) * samples_seen / s.warmup_samples
     else:
-        shape = (1.0 - t) ** power
-    return final_factor + (1.0 - final_factor) * shape
+        decay_span = s.total_samples - s.warmup_samples
+        t = min(1.0, (samples_seen - s.warmup_samples) / decay_span) if decay_span > 0 else 1.0
+        if s.decay == "cosine":  # Loshchilov & Hutter 2017 (SGDR), without restarts
+            shape = 0.5 * (1.0 + math.cos(math.pi * t))
+        elif s.decay == "poly":  # (1 - t)^power, the LARS papers' decay (You et al. 2017: power 2)
+            shape = (1.0 - t) ** s.power
+        else:  # constant, and step (whose milestones are drops)
+            shape = 1.0
+        lr = peak * (s.final_factor + (1.0 - s.final_factor) * shape)
+    for at, multiplier in s.drops:
+        if samples_seen >= at:
+            lr *= multiplier
+    return lr
+
+
+def peak(s: Schedule, budget: Budget) -> tuple[float, int]:
+    """(the highest LR the run reaches, samples seen at the step that takes it).
+
+    That step is the first after warmup (drops never come before it, see
+    `build_schedule`), or the run's last step if warmup outlasts the run.
+    """
+    at = min(s.warmup_samples, budget.last_step_samples)
+    return lr_at(at, s), at
+
+
+def build_schedule(cfg: Mapping, base_lr: float, global_batch: int, budget: Budget) -> Schedule:
+    """The run's Schedule from the `schedule` config node; every value is checked here, once.
+
+    Epoch counts mean epochs of the steps the run takes (with drop_last an
+    epoch at batch B is N // B steps) and land on a step boundary, so the step
+    that ends warmup runs at exactly the peak LR.
+    """
+    scaling = one_of("schedule.scaling", cfg.get("scaling", "none"), SCALING_RULES)
+    base_batch = integer("schedule.base_batch", cfg.get("base_batch", 64))
+    warmup_mode = one_of("schedule.warmup_mode", cfg.get("warmup_mode", "linear"), WARMUP_MODES)
+    decay = one_of("schedule.decay", cfg.get("decay", "constant"), DECAYS)
+    warmup_epochs = number("schedule.warmup_epochs", cfg.get("warmup_epochs") or 0, low=0)
+    warmup_start = cfg.get("warmup_start")
+    if warmup_start is not None:
+        number("schedule.warmup_start", warmup_start, low=0, high=1, low_open=True)
+    if cfg.get("warmup_samples") is not None:
+        if warmup_epochs:
+            raise ConfigError("schedule: give warmup_epochs or warmup_samples, not both")
+        warmup_samples = budget.step_boundary(integer("schedule.warmup_samples", cfg["warmup_samples"], 0))[1]
+    else:
+        warmup_samples = budget.samples_at(warmup_epochs)
+    final_factor = number("schedule.final_factor", cfg.get("final_factor", 0.0), low=0, high=1)
+    power = number("schedule.power", cfg.get("power", 2.0), low=0, low_open=True)
+
+    drops = []
+    if decay == "step":
+        gamma = number("schedule.gamma", cfg.get("gamma", 0.1), low=0, high=1, low_open=True)
+        for milestone in cfg.get("milestones") or ():
+            drops.append((budget.samples_at(number("schedule.milestones", milestone, low=0)), gamma))
+    # A batch ramp that cannot grow the batch any further divides the LR instead (Smith et al. 2017).
+    previous = 1.0
+    for epoch, plan in enumerate(budget.plans):
+        if plan.lr_factor != previous:
+            drops.append((budget.samples_at(epoch), plan.lr_factor / previous))
+            previous = plan.lr_factor
+    early = [at for at, _ in drops if at < warmup_samples]
+    if early:
+        raise ConfigError(f"schedule: the LR would drop at sample {min(early):,}, before warmup ends at "
+                          f"{warmup_samples:,}; put step milestones and batch-ramp milestones after the warmup")
+    return Schedule(base_lr, global_batch, base_batch, scaling, warmup_samples, warmup_start, warmup_mode, decay,
+                    budget.total_samples, final_factor, power, tuple(sorted(drops)))
+
+
+def describe(s: Schedule, budget: Budget) -> str:
+    """`lr: peak 6.4 at sample 286,720 (step 70) = base 0.1 x linear 64; linear warmup from 0.1; cosine decay`."""
+    top, at = peak(s, budget)
+    scale = scaling_factor(s.global_batch, s.base_batch, s.scaling)
+    parts = [f"base {s.base_lr:g}" + (f" x {s.scaling} {scale:g}" if s.scaling != "none" else "")]
+    if s.warmup_samples:
+        start = min(s.base_lr, top) if s.warmup_start is None else s.warmup_start * top
+        parts.append(f"{s.warmup_mode} warmup from {start:g}")
+    decay = s.decay if s.decay in ("constant", "step") else f"{s.decay} decay to {s.final_factor:g} x peak"
+    parts.append(decay + (f", {len(s.drops)} LR drops" if s.drops else ""))
+    return f"lr: peak {top:g} at sample {at:,} (step {budget.step_boundary(at)[0]}) = {'; '.join(parts)}"

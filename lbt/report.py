@@ -58,11 +58,11 @@ def load_jobs(study_dir: Path) -> list[dict]:
     return jobs
 
 
-def steps_to_target(val_history: list, target: float) -> int | None:
+def steps_to_target(val_history: list[dict], target: float) -> int | None:
     """First optimizer step whose evaluation reached `target` accuracy (Shallue et al. 2018)."""
-    for step, _samples, _batch, acc in val_history:
-        if acc >= target:
-            return int(step)
+    for point in val_history:
+        if point["val_acc"] >= target:
+            return int(point["step"])
     return None
 
 

@@ -21,7 +21,7 @@ import inspect
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Callable
 
@@ -29,13 +29,27 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lbt.config import BatchPlan
+from lbt.checkpoint import rng_state, set_rng_state
+from lbt.config import BatchPlan, Budget
+from lbt.data import DataSplits
 from lbt.data.batches import StepBatches, eval_batches
 from lbt.dist import BufferMean, DistContext, all_reduce_sum, average_buffers
 from lbt.fused import per_worker_batchnorm, set_per_worker_batch
+from lbt.lr import Schedule, lr_at, peak
 from lbt.metrics.tensorboard import RunLogger
+from lbt.metrics.window import TrainWindow
 from lbt.metrics.timing import StepTimer
-from lbt.techniques.base import Progress, Technique, learning_rate
+from lbt.techniques.base import Progress, Technique
+
+
+@dataclass
+class ValPoint:
+    """One evaluation at the end of an epoch (steps-to-target is read from these)."""
+
+    step: int
+    samples_seen: int
+    global_batch: int
+    val_acc: float
 
 
 @dataclass
@@ -55,17 +69,34 @@ class Result:
     samples_per_sec: float = 0.0
     diverged: bool = False
     stopped: bool = False  # by SIGTERM/SIGINT, after a checkpoint; resume with trainer.resume=auto
-    # (step, samples seen, global batch, val acc) after each epoch: steps-to-target comes from it
-    val_history: list[list[float]] = field(default_factory=list)
+    val_history: list[ValPoint] = field(default_factory=list)
     technique_metrics: dict[str, float] = field(default_factory=dict)
     # mean seconds per step: data, compute (forward+backward), comm (allreduce span), optimizer
     step_seconds: dict[str, float] = field(default_factory=dict)
 
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> Result:
+        history = [ValPoint(**point) for point in values.get("val_history", [])]
+        return cls(**{**values, "val_history": history})
+
+
+@dataclass
+class LoopState:
+    """Where the loop is: all of it goes into checkpoints."""
+
+    step: int = 0
+    samples_seen: int = 0
+    epoch: int = 0
+    step_in_epoch: int = 0
+    epoch_loss_sum: float = 0.0  # the epoch's step losses so far, summed over steps and processes
+    epoch_loss_count: int = 0  # steps x processes in that sum
+
 
 @dataclass
 class LoopSettings:
-    total_steps: int
-    total_samples: int
     seed: int = 0
     log_every: int = 10
     progress: bool = True
@@ -99,187 +130,155 @@ def _wrap_ddp(model: nn.Module) -> DistributedDataParallel:
 
 
 class Trainer:
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        loss_fn: Callable,
-        techniques: list[Technique],
-        base_lr: float,
-        epoch_plans: list[BatchPlan],
-        ctx: DistContext,
-        datasets: tuple,  # (train, val, test or None)
-        settings: LoopSettings,
-        logger: RunLogger | None = None,
-        checkpointer=None,
-    ):
-        self.model = model
+    state: LoopState
+    result: Result
+    stop_requested: bool  # set by SIGTERM/SIGINT (lbt.train.stop_on_signals)
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
+                 techniques: list[Technique], schedule: Schedule, budget: Budget, data: DataSplits,
+                 ctx: DistContext, settings: LoopSettings, logger: RunLogger | None = None, checkpointer=None):
+        self.model, self.optimizer, self.loss_fn, self.techniques = model, optimizer, loss_fn, techniques
+        self.schedule, self.budget, self.data, self.ctx, self.settings = schedule, budget, data, ctx, settings
+        self.log = logger or RunLogger(None)
+        self.checkpointer = checkpointer
         self.worker_norms = []
-        if settings.fuse_workers and any(p.world_size > ctx.procs for p in epoch_plans):
-            self.worker_norms = per_worker_batchnorm(model, epoch_plans[0].per_worker_batch)
-        self.ddp = model
-        self.timer = StepTimer()
+        if settings.fuse_workers and any(p.world_size > ctx.procs for p in budget.plans):
+            self.worker_norms = per_worker_batchnorm(model, budget.plans[0].per_worker_batch)
+        self.ddp, self.timer = model, StepTimer()
         if ctx.distributed:
             self.ddp = _wrap_ddp(model)
             register_comm_hook(self.ddp, techniques, self.timer)
-        self.optimizer, self.loss_fn = optimizer, loss_fn
-        self.techniques, self.base_lr = techniques, base_lr
-        self.epoch_plans, self.ctx = epoch_plans, ctx
-        self.train_set, self.val_set, self.test_set = datasets
-        self.settings = settings
-        self.log = logger or RunLogger(None)
-        self.show_progress = settings.progress and ctx.is_main
         self.buffer_mean = BufferMean(model)
         self.wants_worker_gradient = any(t.wants_worker_gradient for t in techniques)
-        self.checkpointer = checkpointer
-        # Where the loop is; all of it goes into checkpoints.
-        self.step = 0
-        self.samples_seen = 0
-        self.epoch = 0
-        self.step_in_epoch = 0
-        self.epoch_loss = torch.zeros(2, dtype=torch.float64)  # [sum of step losses, steps] over all processes
-        self.result = Result()
-        self.stop_requested = False
+        # Log every log_every steps, at each epoch's end, and at the step that takes the peak LR.
+        peak_step = budget.step_boundary(peak(schedule, budget)[1])[0]
+        self.window = TrainWindow(settings.log_every, peak_step)
+        self.state, self.result, self.stop_requested = LoopState(), Result(), False
 
     # -- the loop -------------------------------------------------------------
     def fit(self) -> Result:
-        result = self.result
+        """Epochs until the budget is spent, the loss diverges or a signal asks to stop."""
         started = time.perf_counter()
-        for epoch in range(self.epoch, len(self.epoch_plans)):
-            if self.step >= self.settings.total_steps:
-                break
-            self.epoch, plan = epoch, self.epoch_plans[epoch]
+        while self.state.step < self.budget.total_steps:
             epoch_start = time.perf_counter()
-            train_loss = self.train_epoch(epoch, plan)
-            result.train_seconds += time.perf_counter() - epoch_start
-            if result.stopped:
+            train_loss = self.train_epoch()
+            self.result.train_seconds += time.perf_counter() - epoch_start
+            if self.result.stopped:
                 self.save_checkpoint()
-                self._say(f"stopped at step {self.step} (epoch {epoch + 1}, step {self.step_in_epoch} of it); "
-                          "checkpoint saved: continue with trainer.resume=auto in the same run folder")
-                return result
-            result.final_train_loss = train_loss
-            if not math.isfinite(train_loss):
-                result.diverged = True
-                self._say(f"epoch {epoch + 1}: train loss is {train_loss}; the run diverged, stopping early")
+                s = self.state
+                self.say(f"stopped at step {s.step} (epoch {s.epoch + 1}, step {s.step_in_epoch} of it); "
+                         "checkpoint saved: continue with trainer.resume=auto in the same run folder")
+                return self.result
+            if not self.end_epoch(train_loss):
                 break
-            val_loss, val_acc = self.evaluate(self.val_set)
-            result.final_val_loss, result.final_val_acc = val_loss, val_acc
-            result.val_history.append([self.step, self.samples_seen, plan.global_batch, val_acc])
-            self.log.scalars({"val/loss": val_loss, "val/acc": val_acc}, self.step, self.samples_seen)
-            self._say(
-                f"epoch {epoch + 1}/{len(self.epoch_plans)} step {self.step} train_loss={train_loss:.4f} "
-                f"val_loss={val_loss:.4f} val_acc={val_acc:.4f}"
-            )
-            self.epoch, self.step_in_epoch = epoch + 1, 0
-            self.epoch_loss.zero_()
-            every = self.settings.checkpoint_every
-            if every and self.epoch % every == 0 and self.epoch < len(self.epoch_plans):
-                self.save_checkpoint()
-        if self.test_set is not None and not result.diverged:
-            result.test_loss, result.test_acc = self.evaluate(self.test_set)
-            self.log.scalars({"test/loss": result.test_loss, "test/acc": result.test_acc}, self.step,
-                             self.samples_seen)
-        result.best_val_acc = max((h[3] for h in result.val_history), default=float("nan"))
-        result.steps, result.samples_seen = self.step, self.samples_seen
-        result.wall_seconds = time.perf_counter() - started
-        result.samples_per_sec = self.samples_seen / max(result.train_seconds, 1e-9)
-        result.technique_metrics = self.technique_metrics()
-        result.step_seconds = self.timer.run_means()
-        return result
+        self.finish(started)
+        return self.result
 
-    def train_epoch(self, epoch: int, plan: BatchPlan) -> float:
-        """Train (the rest of) one epoch at `plan`'s batch sizes; return its mean loss over all workers."""
+    def train_epoch(self) -> float:
+        """Train (the rest of) the current epoch; return its mean loss over all workers."""
+        s, plan = self.state, self.budget.plans[self.state.epoch]
+        steps = self.budget.steps[s.epoch]
         self.model.train()
-        if self.step_in_epoch == 0:
+        if s.step_in_epoch == 0:
             for technique in self.techniques:
-                technique.on_epoch_start(epoch, self.model)
+                technique.on_epoch_start(s.epoch, self.model)
         set_per_worker_batch(self.worker_norms, plan.per_worker_batch)
-        workers_per_proc = plan.world_size // self.ctx.procs
-        batches = StepBatches(
-            self.train_set, plan.world_size, plan.per_worker_batch, self.ctx.rank * workers_per_proc,
-            workers_per_proc, self.settings.seed, self.ctx.device,
-        )
-        steps = min(batches.steps_per_epoch - self.step_in_epoch, self.settings.total_steps - self.step)
-        bar = self._bar(epoch, batches.steps_per_epoch, self.step_in_epoch)
-        # The window's losses stay on the device until a log step: reading a
-        # loss every step would make the host wait for the device every step.
-        window_losses: list[torch.Tensor] = []
-        window_start = data_start = time.perf_counter()
-        for i, (inputs, labels) in enumerate(batches.epoch(epoch, self.step_in_epoch)):
-            if i == steps:
-                break
+        batches = StepBatches(self.data.train, plan, self.ctx.rank, self.settings.seed, self.ctx.device)
+        bar = self._bar(s.epoch, batches.steps_per_epoch, s.step_in_epoch)
+        self.window.start()
+        data_start = time.perf_counter()
+        for inputs, labels in batches.epoch(s.epoch, s.step_in_epoch, steps):
             self.timer.add("data", time.perf_counter() - data_start)
-            progress = self.progress(epoch, plan)
-            lr = self.set_lr(progress)
-            log_now = (self.step + 1) % self.settings.log_every == 0 or i == steps - 1
-            loss, correct = self.train_step(inputs, labels, workers_per_proc, progress,
-                                            count_correct=log_now and bar is not None)
+            lr = self.set_lr()
+            log_now = self.window.should_log(s.step, last_of_epoch=s.step_in_epoch == steps - 1)
+            loss, correct = self.train_step(inputs, labels, plan, count_correct=log_now and bar is not None)
             self.timer.end_step()
-            self.step += 1
-            self.step_in_epoch += 1
-            self.samples_seen += plan.global_batch
-            window_losses.append(loss)
-            if log_now:
-                window_steps = len(window_losses)
-                window = torch.tensor([torch.stack(window_losses).sum().item(), window_steps,
-                                       float(self.stop_requested)], dtype=torch.float64)
-                # Summed over processes at a cadence every rank agrees on, so all
-                # of them see the same loss (and stop request) and act together.
-                all_reduce_sum(window, self.ctx)
-                mean_loss = window[0].item() / window[1].item()
-                samples_per_sec = window_steps * plan.global_batch / (time.perf_counter() - window_start)
-                self.log.scalars(
-                    {"train/loss": mean_loss, "train/lr": lr, "train/global_batch": plan.global_batch,
-                     "perf/samples_per_sec": samples_per_sec, **self.timer.window_means(),
-                     **self.technique_metrics()},
-                    self.step, self.samples_seen,
-                )
-                self.epoch_loss += window[:2]
-                stop = window[2].item() > 0
-                window_losses.clear()
-                window_start = time.perf_counter()
-                if bar is not None:
-                    local_acc = correct / (plan.per_worker_batch * workers_per_proc)
-                    bar.set_postfix(loss=f"{mean_loss:.4f}", acc=f"{local_acc:.3f}", sps=f"{samples_per_sec:,.0f}")
-                if not math.isfinite(mean_loss):
-                    break
-                if stop and i < steps - 1:
-                    self.result.stopped = True
-                    break
+            s.step, s.step_in_epoch, s.samples_seen = s.step + 1, s.step_in_epoch + 1, s.samples_seen + plan.global_batch
+            self.window.add(loss)
+            if log_now and self.log_window(plan, lr, correct, bar, steps):
+                break
             if bar is not None:
                 bar.update()
             data_start = time.perf_counter()
         if bar is not None:
             bar.close()
-        return self.epoch_loss[0].item() / max(self.epoch_loss[1].item(), 1.0)
+        return s.epoch_loss_sum / max(s.epoch_loss_count, 1)
 
-    def progress(self, epoch: int, plan: BatchPlan) -> Progress:
-        return Progress(
-            samples_seen=self.samples_seen, step=self.step, epoch=epoch, global_batch=plan.global_batch,
-            base_global_batch=self.epoch_plans[0].global_batch, samples_per_epoch=len(self.train_set),
-            total_samples=self.settings.total_samples,
-        )
+    def log_window(self, plan: BatchPlan, lr: float, correct: int, bar, steps: int) -> bool:
+        """Log train/* over the window of steps since the last log; True when the epoch must end now."""
+        s = self.state
+        # Summed over processes at a cadence every rank agrees on, so all of them
+        # see the same loss (and stop request) and act together.
+        window = self.window.close(self.stop_requested, self.ctx, plan.global_batch)
+        self.log.scalars({"train/loss": window.mean_loss, "train/lr": lr, "train/global_batch": plan.global_batch,
+                          "perf/samples_per_sec": window.samples_per_sec, **self.timer.window_means(),
+                          **self.technique_metrics()}, s.step, s.samples_seen)
+        s.epoch_loss_sum += window.loss_sum
+        s.epoch_loss_count += window.count
+        if bar is not None:
+            local_acc = correct / (plan.per_worker_batch * plan.workers_per_proc)
+            bar.set_postfix(loss=f"{window.mean_loss:.4f}", acc=f"{local_acc:.3f}",
+                            sps=f"{window.samples_per_sec:,.0f}")
+        if not math.isfinite(window.mean_loss):
+            return True
+        # A stop asked for in the epoch's last step waits for the evaluation.
+        self.result.stopped = window.stop and s.step_in_epoch < steps
+        return self.result.stopped
 
-    def set_lr(self, progress: Progress) -> float:
-        # LR is a function of samples seen, never of a hidden step counter.
-        lr, _ = learning_rate(self.base_lr, self.techniques, progress)
+    def end_epoch(self, train_loss: float) -> bool:
+        """Evaluate, log and maybe checkpoint after an epoch; False when the run diverged."""
+        s, result, plan = self.state, self.result, self.budget.plans[self.state.epoch]
+        result.final_train_loss = train_loss
+        if not math.isfinite(train_loss):
+            result.diverged = True
+            self.say(f"epoch {s.epoch + 1}: train loss is {train_loss}; the run diverged, stopping early")
+            return False
+        result.final_val_loss, result.final_val_acc = self.evaluate(self.data.val)
+        result.val_history.append(ValPoint(s.step, s.samples_seen, plan.global_batch, result.final_val_acc))
+        self.log.scalars({"val/loss": result.final_val_loss, "val/acc": result.final_val_acc}, s.step,
+                         s.samples_seen)
+        self.say(f"epoch {s.epoch + 1}/{len(self.budget.plans)} step {s.step} train_loss={train_loss:.4f} "
+                 f"val_loss={result.final_val_loss:.4f} val_acc={result.final_val_acc:.4f}")
+        s.epoch, s.step_in_epoch, s.epoch_loss_sum, s.epoch_loss_count = s.epoch + 1, 0, 0.0, 0
+        every = self.settings.checkpoint_every
+        if every and s.epoch % every == 0 and s.step < self.budget.total_steps:
+            self.save_checkpoint()
+        return True
+
+    def finish(self, started: float) -> None:
+        """The test split once, at the end; the run's totals."""
+        result, s = self.result, self.state
+        if self.data.test is not None and not result.diverged:
+            result.test_loss, result.test_acc = self.evaluate(self.data.test)
+            self.log.scalars({"test/loss": result.test_loss, "test/acc": result.test_acc}, s.step, s.samples_seen)
+        result.best_val_acc = max((p.val_acc for p in result.val_history), default=float("nan"))
+        result.steps, result.samples_seen = s.step, s.samples_seen
+        result.wall_seconds = time.perf_counter() - started
+        result.samples_per_sec = s.samples_seen / max(result.train_seconds, 1e-9)
+        result.technique_metrics = self.technique_metrics()
+        result.step_seconds = self.timer.run_means()
+
+    def set_lr(self) -> float:
+        # The LR is a function of samples seen (lbt/lr.py), never of a hidden step counter.
+        lr = lr_at(self.state.samples_seen, self.schedule)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         return lr
 
-    def train_step(self, inputs: torch.Tensor, labels: torch.Tensor, workers: int, progress: Progress,
+    def train_step(self, inputs: torch.Tensor, labels: torch.Tensor, plan: BatchPlan,
                    count_correct: bool = False) -> tuple[torch.Tensor, int]:
-        """One synchronous SGD step over this process's `workers` virtual workers.
+        """One synchronous SGD step over this process's virtual workers.
 
         Returns this process's mean loss (a detached 0-d tensor) and, when
         `count_correct`, its number of correct predictions (else 0).
         """
+        workers = plan.workers_per_proc
         self.optimizer.zero_grad(set_to_none=True)
         compute_start = time.perf_counter()
         if workers > 1 and self.wants_worker_gradient:
             # The first worker alone (its BN statistics and gradient its own),
             # so a technique can read one worker's gradient, then the others.
-            b = len(labels) // workers
+            b = plan.per_worker_batch
             passes = [(inputs[:b], labels[:b], 1), (inputs[b:], labels[b:], workers - 1)]
         elif workers > 1 and not self.worker_norms:
             passes = [(x, y, 1) for x, y in zip(inputs.chunk(workers), labels.chunk(workers))]
@@ -310,6 +309,8 @@ class Trainer:
             loss_sum = weighted if loss_sum is None else loss_sum + weighted
             if count_correct:
                 correct += int((logits.argmax(1) == pass_labels).sum())
+        s = self.state
+        progress = Progress(s.samples_seen, s.step, s.epoch, plan.global_batch, len(self.data.train))
         for technique in self.techniques:
             technique.after_backward(self.model, progress)
         optimizer_start = time.perf_counter()
@@ -344,46 +345,38 @@ class Trainer:
 
     # -- output ---------------------------------------------------------------
     def _bar(self, epoch: int, steps: int, done: int):
-        if not self.show_progress:
+        if not (self.settings.progress and self.ctx.is_main):
             return None
         from tqdm import tqdm
 
-        return tqdm(total=steps, initial=done, desc=f"epoch {epoch + 1}/{len(self.epoch_plans)}", unit="step",
+        return tqdm(total=steps, initial=done, desc=f"epoch {epoch + 1}/{len(self.budget.plans)}", unit="step",
                     leave=False, dynamic_ncols=True)
+
+    def say(self, line: str) -> None:
+        if self.ctx.is_main:
+            print(line, flush=True)
 
     # -- checkpoints ----------------------------------------------------------
     def save_checkpoint(self) -> None:
         if self.checkpointer is None:
             return
-        from lbt.checkpoint import rng_state
-
-        loop = {"step": self.step, "samples_seen": self.samples_seen, "epoch": self.epoch,
-                "step_in_epoch": self.step_in_epoch, "epoch_loss": self.epoch_loss.clone(),
-                "result": {k: v for k, v in vars(self.result).items() if k not in ("stopped", "step_seconds")}}
-        main = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "loop": loop,
-                "techniques": {t.name: t.state_dict() for t in self.techniques}}
-        own = {"buffers": {k: v.detach().clone() for k, v in self.model.named_buffers()}, "rng": rng_state()}
-        self.checkpointer.save(self.step, main, own)
+        result = {k: v for k, v in self.result.to_dict().items() if k not in ("stopped", "step_seconds")}
+        main = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "loop": asdict(self.state), "result": result}
+        # Every rank's own: its BN statistics, RNG states and technique state (PowerSGD's error feedback).
+        own = {"buffers": {k: v.detach().clone() for k, v in self.model.named_buffers()}, "rng": rng_state(),
+               "techniques": {t.name: t.state_dict() for t in self.techniques}}
+        self.checkpointer.save(self.state.step, main, own)
         self.log.flush()
 
     def load_checkpoint(self, main: dict, own: dict) -> None:
-        from lbt.checkpoint import set_rng_state
-
         self.model.load_state_dict(main["model"])
         buffers = dict(self.model.named_buffers())
         for name, value in own["buffers"].items():  # this rank's own BN statistics
             buffers[name].copy_(value)
         self.optimizer.load_state_dict(main["optimizer"])
-        loop = main["loop"]
-        self.step, self.samples_seen = loop["step"], loop["samples_seen"]
-        self.epoch, self.step_in_epoch = loop["epoch"], loop["step_in_epoch"]
-        self.epoch_loss = loop["epoch_loss"].clone()
-        for key, value in loop["result"].items():
-            setattr(self.result, key, value)
+        self.state = LoopState(**main["loop"])
+        self.result = Result.from_dict(main["result"])
         for technique in self.techniques:
-            technique.load_state_dict(main["techniques"].get(technique.name, {}))
+            technique.load_state_dict(own["techniques"].get(technique.name, {}))
         set_rng_state(own["rng"])
-
-    def _say(self, line: str) -> None:
-        if self.ctx.is_main:
-            print(line, flush=True)

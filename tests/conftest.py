@@ -13,8 +13,11 @@ from hydra import compose, initialize_config_dir
 from hypothesis import settings
 from omegaconf import open_dict
 
+from lbt.cli import register_schemas
 from lbt.paths import conf_dir
 from lbt.train import run
+
+register_schemas()  # as `lbt` does before composing a config
 
 # Generated tests draw the same examples on every run, so a red suite is red for the
 # code and can be rerun; `pytest --hypothesis-profile=explore` draws fresh ones.
@@ -55,7 +58,7 @@ def lbt_cli(args: list[str], cwd: Path, timeout: float = 120, **kwargs) -> subpr
     """Run the installed `lbt` command the way a user does."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "lbt.cli", *args], cwd=cwd, env=env, capture_output=True, text=True,
+        [sys.executable, "-m", "lbt", *args], cwd=cwd, env=env, capture_output=True, text=True,
         timeout=timeout, **kwargs,
     )
 

@@ -14,6 +14,9 @@ CASES = {
     "typo_in_key": (["dist.wrold_size=4"], "wrold_size"),
     "negative_epochs": (["trainer.epochs=-1"], "trainer.epochs"),
     "batch_larger_than_data": (["trainer.global_batch=100000"], "larger than the training set"),
+    "unknown_scaling_rule": (["schedule.scaling=lnear"], "schedule.scaling must be one of none, linear, sqrt"),
+    "lars_is_an_optimizer_now": (["technique=[lars]"], "technique/lars"),
+    "zero_lr": (["optim.lr=0"], "optim.lr must be a positive number"),
 }
 
 

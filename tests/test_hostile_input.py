@@ -13,14 +13,15 @@ KEYS = [
     "trainer.threads", "trainer.checkpoint_every", "trainer.resume", "trainer.device", "trainer.progress",
     "dist.world_size", "dist.backend", "dist.timeout_s", "dist.fuse_workers",
     "optim.lr", "optim.momentum", "data.num_train", "data.num_test", "data.num_classes", "data.val_fraction",
-    "schedule.final_factor", "dist.wrold_size", "trainer.epoch", "model.no_such_option",
+    "schedule.final_factor", "schedule.scaling", "schedule.warmup_epochs", "schedule.warmup_samples",
+    "schedule.base_batch", "optim.no_bn_weight_decay", "dist.wrold_size", "trainer.epoch", "model.no_such_option",
 ]
 GROUPS = {
     "model": ["mlp", "cnn1d", "resnet9000", "MLP"],
     "schedule": ["cosine", "poly", "step", "constant", "linear"],
-    "optim": ["sgd", "lamb", "adam"],
+    "optim": ["sgd", "lars", "lamb", "adam"],
     "recipe": ["baseline", "goyal2017", "lars", "lamb", "smith2017_ramp", "goyal"],
-    "technique": ["[lr_scaling]", "[warmup,lars]", "[ghost_bn]", "[nope]", "[]"],
+    "technique": ["[batch_ramp]", "[grad_clip,label_smoothing]", "[ghost_bn]", "[nope]", "[lars]", "[]"],
     "data": ["synthetic"],
 }
 VALUES = st.one_of(

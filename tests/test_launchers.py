@@ -41,7 +41,7 @@ def test_torchrun_matches_local_launcher(tmp_path):
     port = free_port()
     job = torchrun(
         ["--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-         "-m", "lbt.train", *RUN, f"hydra.run.dir={tmp_path / 'torchrun'}"],
+         "-m", "lbt", "train", *RUN, f"hydra.run.dir={tmp_path / 'torchrun'}"],
         tmp_path,
     )
     out, _ = job.communicate(timeout=180)
@@ -61,7 +61,7 @@ def test_two_torchrun_nodes_on_localhost(tmp_path):
               "--rdzv-id=lbt-two-nodes"]
     run_dir = tmp_path / "two_nodes"
     nodes = [
-        torchrun([*common, f"--node-rank={rank}", "-m", "lbt.train", *RUN, "dist.world_size=4",
+        torchrun([*common, f"--node-rank={rank}", "-m", "lbt", "train", *RUN, "dist.world_size=4",
                   f"hydra.run.dir={run_dir}"], tmp_path)
         for rank in (0, 1)
     ]
@@ -85,7 +85,7 @@ def _start_time(pid: int) -> int:
 def test_dead_worker_stops_the_job_and_names_its_rank(tmp_path):
     args = ["train", *FAST, "model=mlp", "data.num_train=4096", "trainer.epochs=10000",
             "dist.world_size=2", "dist.procs=2", f"hydra.run.dir={tmp_path / 'run'}"]
-    job = subprocess.Popen([sys.executable, "-m", "lbt.cli", *args], cwd=tmp_path, stdout=subprocess.PIPE,
+    job = subprocess.Popen([sys.executable, "-m", "lbt", *args], cwd=tmp_path, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     # wait until training is under way (rank 0 prints a line per epoch)
     line = ""

@@ -25,13 +25,13 @@ def test_tensorboard_and_result_json(tmp_path):
     assert [e.step for e in by_samples.Scalars("val/acc")] == [512, 1024, 1536]
     assert val_acc[-1].value == result["final_val_acc"]
     assert all(e.value == 64 for e in events.Scalars("train/global_batch"))
-    # cosine decay from optim.lr (0.1) towards 0, logged before each step
+    # cosine decay from optim.lr (0.1, the peak without warmup) towards 0, logged with each step
     lrs = [e.value for e in events.Scalars("train/lr")]
-    assert lrs[0] < 0.1 and lrs == sorted(lrs, reverse=True)
+    assert lrs[0] == pytest.approx(0.1) and lrs == sorted(lrs, reverse=True) and lrs[-1] < 0.01
     # TensorBoard's HParams table: one row with the run's settings and its accuracy
     hparams = events.PluginTagToContent("hparams")
     start = plugin_data_pb2.HParamsPluginData.FromString(hparams["_hparams_/session_start_info"]).session_start_info
-    assert set(start.hparams) == {"world_size", "per_worker_batch", "global_batch", "recipe", "lr", "seed"}
+    assert set(start.hparams) == {"world_size", "per_worker_batch", "global_batch", "recipe", "lr", "peak_lr", "seed"}
     assert start.hparams["global_batch"].number_value == 64 and start.hparams["recipe"].string_value == "baseline"
     assert events.Scalars("hparam/final_val_acc")[-1].value == pytest.approx(result["final_val_acc"])
 
@@ -39,7 +39,7 @@ def test_tensorboard_and_result_json(tmp_path):
     assert on_disk == json.loads(json.dumps(result))
     for key in ("world_size", "procs", "per_worker_batch", "global_batch", "final_val_acc", "best_val_acc",
                 "final_val_loss", "final_train_loss", "steps", "samples_seen", "wall_seconds", "samples_per_sec",
-                "diverged", "config"):
+                "diverged", "peak_lr", "peak_lr_samples", "config"):
         assert key in on_disk
     assert on_disk["global_batch"] == 64 and on_disk["steps"] == 24 and on_disk["samples_seen"] == 24 * 64
     assert on_disk["diverged"] is False and math.isfinite(on_disk["final_train_loss"])

@@ -1,4 +1,4 @@
-"""LR factors against hand-computed values."""
+"""The LR schedule (lbt/lr.py) and the step budget it is measured on (lbt/config.py), against hand-computed values."""
 
 import math
 
@@ -6,14 +6,25 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lbt.lr import decay_factor, scaling_factor, warmup_factor
+from lbt.config import BatchPlan, Budget, make_budget
+from lbt.errors import ConfigError
+from lbt.lr import Schedule, build_schedule, lr_at, peak, scaling_factor
+
+
+def schedule(**overrides) -> Schedule:
+    values = dict(base_lr=0.1, global_batch=1024, base_batch=64, scaling="linear", warmup_samples=1000,
+                  warmup_start=None, warmup_mode="linear", decay="cosine", total_samples=11000)
+    return Schedule(**{**values, **overrides})
+
+
+def budget(global_batch: int, epochs: int, num_train: int, max_steps: int | None = None) -> Budget:
+    plan = BatchPlan(world_size=1, procs=1, per_worker_batch=global_batch, global_batch=global_batch)
+    return make_budget([plan] * epochs, num_train, max_steps)
 
 
 # --- scaling -----------------------------------------------------------------
 
-@pytest.mark.parametrize(
-    "rule, expected", [("none", 1.0), ("linear", 16.0), ("sqrt", 4.0)]
-)
+@pytest.mark.parametrize("rule, expected", [("none", 1.0), ("linear", 16.0), ("sqrt", 4.0)])
 def test_scaling_rules_at_4096_over_256(rule, expected):
     assert scaling_factor(4096, 256, rule) == pytest.approx(expected)
 
@@ -23,115 +34,126 @@ def test_scaling_below_base_batch_shrinks_lr():
     assert scaling_factor(64, 256, "sqrt") == pytest.approx(0.5)
 
 
-def test_scaling_rejects_unknown_rule_and_bad_batches():
-    with pytest.raises(ValueError, match="scaling rule 'lnear'.*none, linear, sqrt"):
-        scaling_factor(512, 256, "lnear")
-    with pytest.raises(ValueError, match="must be positive"):
-        scaling_factor(0, 256, "linear")
-    with pytest.raises(ValueError, match="must be positive"):
-        scaling_factor(512, -1, "none")
+# --- lr_at -------------------------------------------------------------------
 
-
-# --- warmup ------------------------------------------------------------------
-
-def test_linear_warmup_start_mid_end_after():
-    # Goyal: k = 8, start at 1/k of the scaled LR, i.e. at the base LR.
-    assert warmup_factor(0, 1000, 1 / 8) == pytest.approx(0.125)
-    assert warmup_factor(500, 1000, 1 / 8) == pytest.approx(0.125 + 0.875 * 0.5)
-    assert warmup_factor(250, 1000, 0.0) == pytest.approx(0.25)
-    assert warmup_factor(1000, 1000, 1 / 8) == 1.0
-    assert warmup_factor(5000, 1000, 1 / 8) == 1.0
+def test_warmup_goes_from_the_unscaled_base_lr_to_the_peak():
+    s = schedule()  # peak = 0.1 x 1024 / 64 = 1.6
+    assert lr_at(0, s) == pytest.approx(0.1)
+    assert lr_at(500, s) == pytest.approx(0.1 + (1.6 - 0.1) / 2)
+    assert lr_at(1000, s) == pytest.approx(1.6)  # the step that ends warmup runs at the peak
+    assert lr_at(0, schedule(warmup_start=0.5)) == pytest.approx(0.8)
 
 
 def test_constant_warmup_holds_then_jumps():
-    assert warmup_factor(0, 1000, 0.1, "constant") == pytest.approx(0.1)
-    assert warmup_factor(999, 1000, 0.1, "constant") == pytest.approx(0.1)
-    assert warmup_factor(1000, 1000, 0.1, "constant") == 1.0
+    s = schedule(warmup_mode="constant", decay="constant")
+    assert lr_at(0, s) == lr_at(999, s) == pytest.approx(0.1)
+    assert lr_at(1000, s) == pytest.approx(1.6)
 
 
-def test_no_warmup():
-    assert warmup_factor(0, 0, 0.1) == 1.0
-    assert warmup_factor(0, 0, 0.1, "constant") == 1.0
+def test_decay_starts_where_warmup_ends():
+    s = schedule()  # cosine over samples 1000..11000
+    assert lr_at(6000, s) == pytest.approx(0.8)  # halfway through the decay
+    assert lr_at(11000, s) == pytest.approx(0.0, abs=1e-12)
+    assert lr_at(20000, s) == pytest.approx(0.0, abs=1e-12)  # clamped past the end
+    poly = schedule(decay="poly", power=2.0, final_factor=0.2)
+    assert lr_at(6000, poly) == pytest.approx(1.6 * (0.2 + 0.8 * 0.25))
+    assert lr_at(6000, schedule(decay="constant")) == pytest.approx(1.6)
 
 
-def test_warmup_rejects_bad_input():
-    with pytest.raises(ValueError, match="warmup mode 'cosine'"):
-        warmup_factor(0, 100, 0.1, "cosine")
-    with pytest.raises(ValueError, match="warmup_samples"):
-        warmup_factor(0, -1, 0.1)
+def test_no_warmup_starts_at_the_peak():
+    s = schedule(warmup_samples=0, decay="poly", power=1.0, total_samples=1000)
+    assert lr_at(0, s) == pytest.approx(1.6)
+    assert lr_at(500, s) == pytest.approx(0.8)
 
 
-# --- decay -------------------------------------------------------------------
-
-def test_constant_decay():
-    assert decay_factor(0, 100, "constant") == 1.0
-    assert decay_factor(100, 100, "constant") == 1.0
-
-
-def test_cosine_start_mid_end():
-    assert decay_factor(0, 100, "cosine") == pytest.approx(1.0)
-    assert decay_factor(50, 100, "cosine") == pytest.approx(0.5)
-    assert decay_factor(25, 100, "cosine") == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))
-    assert decay_factor(100, 100, "cosine") == pytest.approx(0.0, abs=1e-12)
-    assert decay_factor(150, 100, "cosine") == pytest.approx(0.0, abs=1e-12)  # clamped past the end
+def test_drops_apply_from_their_sample_on():
+    s = schedule(decay="constant", drops=((3000, 0.1), (6000, 0.5)))
+    assert lr_at(2999, s) == pytest.approx(1.6)
+    assert lr_at(3000, s) == pytest.approx(0.16)
+    assert lr_at(6000, s) == pytest.approx(0.08)
 
 
-def test_cosine_with_final_factor():
-    assert decay_factor(50, 100, "cosine", final_factor=0.1) == pytest.approx(0.1 + 0.9 * 0.5)
-    assert decay_factor(100, 100, "cosine", final_factor=0.1) == pytest.approx(0.1)
-
-
-def test_poly_start_mid_end():
-    assert decay_factor(0, 100, "poly") == pytest.approx(1.0)
-    assert decay_factor(50, 100, "poly") == pytest.approx(0.25)  # (1 - 0.5) ** 2
-    assert decay_factor(50, 100, "poly", power=1.0) == pytest.approx(0.5)
-    assert decay_factor(100, 100, "poly") == pytest.approx(0.0)
-    assert decay_factor(50, 100, "poly", final_factor=0.2) == pytest.approx(0.2 + 0.8 * 0.25)
-
-
-def test_step_milestones():
-    kw = dict(milestones_samples=[30, 60, 80], gamma=0.1)
-    assert decay_factor(0, 90, "step", **kw) == 1.0
-    assert decay_factor(29.9, 90, "step", **kw) == 1.0
-    assert decay_factor(30, 90, "step", **kw) == pytest.approx(0.1)  # applies from the milestone on
-    assert decay_factor(70, 90, "step", **kw) == pytest.approx(0.01)
-    assert decay_factor(90, 90, "step", **kw) == pytest.approx(0.001)
-    # unsorted milestones and no milestones
-    unsorted = decay_factor(70, 90, "step", milestones_samples=[80, 30, 60], gamma=0.5)
-    assert unsorted == pytest.approx(0.25)
-    assert decay_factor(70, 90, "step") == 1.0
-
-
-def test_start_samples_delays_the_decay():
-    # Decay over samples 20..100: flat during warmup, midpoint at 60.
-    assert decay_factor(0, 100, "cosine", start_samples=20) == pytest.approx(1.0)
-    assert decay_factor(20, 100, "cosine", start_samples=20) == pytest.approx(1.0)
-    assert decay_factor(60, 100, "cosine", start_samples=20) == pytest.approx(0.5)
-    assert decay_factor(60, 100, "poly", start_samples=20) == pytest.approx(0.25)
-    assert decay_factor(100, 100, "poly", start_samples=20) == pytest.approx(0.0)
-
-
-def test_decay_rejects_bad_input():
-    with pytest.raises(ValueError, match="decay schedule 'linear'.*constant, cosine, poly, step"):
-        decay_factor(0, 100, "linear")
-    with pytest.raises(ValueError, match="must exceed start_samples"):
-        decay_factor(0, 100, "cosine", start_samples=100)
-    with pytest.raises(ValueError, match="must exceed start_samples"):
-        decay_factor(0, 0, "poly")
-
-
-@given(
-    a=st.floats(0, 2000), b=st.floats(0, 2000),
-    schedule=st.sampled_from(["cosine", "poly"]), final=st.floats(0, 1),
-)
-def test_decay_is_bounded_and_non_increasing(a, b, schedule, final):
+@given(a=st.floats(0, 12000), b=st.floats(0, 12000), decay=st.sampled_from(["cosine", "poly", "constant"]),
+       final=st.floats(0, 1), start=st.one_of(st.none(), st.floats(0.01, 1)))
+def test_lr_rises_to_the_peak_then_never_rises_again(a, b, decay, final, start):
+    s = schedule(decay=decay, final_factor=final, warmup_start=start)
+    top, at = peak(s, budget(1000, 11, 1000))
     lo, hi = sorted((a, b))
-    f_lo = decay_factor(lo, 1000, schedule, final_factor=final, start_samples=100)
-    f_hi = decay_factor(hi, 1000, schedule, final_factor=final, start_samples=100)
-    assert final - 1e-12 <= f_hi <= f_lo + 1e-12 <= 1 + 1e-12
+    assert lr_at(lo, s) <= top + 1e-12 and lr_at(hi, s) <= top + 1e-12
+    if hi < at:
+        assert lr_at(lo, s) <= lr_at(hi, s) + 1e-12
+    if lo >= at:
+        assert lr_at(hi, s) <= lr_at(lo, s) + 1e-12
 
 
-@given(a=st.floats(0, 2000), b=st.floats(0, 2000), start=st.floats(0, 1))
-def test_warmup_is_bounded_and_non_decreasing(a, b, start):
-    lo, hi = sorted((a, b))
-    assert start - 1e-12 <= warmup_factor(lo, 1000, start) <= warmup_factor(hi, 1000, start) <= 1.0
+# --- the budget: epochs of the steps actually taken ---------------------------
+
+def test_epochs_are_epochs_of_the_steps_taken():
+    b = budget(8192, 10, 60000)  # 7 steps of 8,192 per epoch: 57,344 samples, not 60,000
+    assert b.steps == (7,) * 10 and b.total_samples == 70 * 8192
+    assert b.samples_at(4) == 4 * 7 * 8192
+    assert b.samples_at(0.5) == 4 * 8192  # 3.5 steps, rounded up to a step boundary
+    assert b.samples_at(0.3) == 3 * 8192  # 2.1 steps -> 3; float noise never adds a step
+    assert b.step_boundary(8192 * 2.5) == (3, 3 * 8192)
+    assert b.samples_at(50) == b.total_samples
+
+
+def test_max_steps_cuts_the_budget():
+    b = budget(100, 5, 1000, max_steps=23)
+    assert b.steps == (10, 10, 3, 0, 0) and b.total_steps == 23 and b.total_samples == 2300
+    assert b.last_step_samples == 2200
+
+
+def test_a_batch_larger_than_the_training_set_is_refused():
+    with pytest.raises(ConfigError, match="larger than the training set"):
+        budget(2048, 1, 1000)
+
+
+# --- build_schedule: the config node ------------------------------------------
+
+NODE = dict(scaling="linear", base_batch=64, warmup_epochs=2, warmup_samples=None, warmup_start=None,
+            warmup_mode="linear", decay="cosine", final_factor=0.0, power=2.0, milestones=[], gamma=0.1)
+
+
+def test_build_schedule_puts_the_peak_on_a_step_boundary():
+    b = budget(1024, 10, 6000)  # 5 steps per epoch
+    s = build_schedule(NODE, 0.1, 1024, b)
+    assert s.warmup_samples == 10 * 1024 and s.total_samples == 50 * 1024
+    assert peak(s, b) == (pytest.approx(1.6), 10 * 1024)
+    assert build_schedule({**NODE, "warmup_epochs": 0, "warmup_samples": 2500}, 0.1, 1024, b).warmup_samples == 3072
+
+
+def test_warmup_longer_than_the_run_peaks_at_its_last_step():
+    b = budget(1024, 2, 6000)
+    s = build_schedule({**NODE, "warmup_epochs": 5}, 0.1, 1024, b)
+    top, at = peak(s, b)
+    assert at == 9 * 1024 and top == pytest.approx(0.1 + 1.5 * 9 / 10)
+
+
+def test_step_milestones_and_ramp_divisions_become_drops():
+    plan = BatchPlan(1, 1, 100, 100)
+    b = make_budget([plan, plan, plan.grown(2, "per_worker_batch"), plan.grown(2, "per_worker_batch", 0.5)],
+                    1000, None)
+    s = build_schedule({**NODE, "warmup_epochs": 0, "decay": "step", "milestones": [1]}, 0.1, 100, b)
+    assert s.drops == ((1000, 0.1), (3000, 0.5))  # epochs take 1,000 samples each: 10 x 100, then 5 x 200
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"scaling": "lnear"}, "schedule.scaling must be one of none, linear, sqrt, got 'lnear'"),
+    ({"decay": "linear"}, "schedule.decay must be one of constant, cosine, poly, step"),
+    ({"warmup_mode": "cosine"}, "schedule.warmup_mode must be one of linear, constant"),
+    ({"base_batch": 0}, "schedule.base_batch must be a positive integer"),
+    ({"warmup_epochs": -1}, "schedule.warmup_epochs must be a non-negative number"),
+    ({"warmup_samples": 100}, "give warmup_epochs or warmup_samples, not both"),
+    ({"warmup_start": 1.5}, r"schedule.warmup_start must be a number in \(0, 1\]"),
+    ({"final_factor": 2}, r"schedule.final_factor must be a number in \[0, 1\]"),
+    ({"decay": "step", "milestones": [1]}, "before warmup ends"),
+])
+def test_bad_schedule_values_are_one_line_errors(change, message):
+    with pytest.raises(ConfigError, match=message):
+        build_schedule({**NODE, **change}, 0.1, 1024, budget(1024, 10, 6000))
+
+
+def test_scaling_factor_is_exact_for_the_acceptance_case():
+    # goyal2017 at world_size 16 x per_worker_batch 64: peak = optim.lr x 16
+    assert math.isclose(0.1 * scaling_factor(1024, 64, "linear"), 0.1 * 16)

@@ -40,6 +40,7 @@ from timm.optim import Lamb as TimmLamb
 from timm.optim import Lars as TimmLars
 from torch import nn
 
+from lbt.errors import ConfigError
 from lbt.optim import LAMB, LARS, is_excluded, lamb_trust_ratio, lars_trust_ratio, param_groups
 
 
@@ -314,3 +315,43 @@ def _least_squares_losses(make_optimizer, steps=100):
 def test_reduces_least_squares_loss(make_optimizer):
     losses = _least_squares_losses(make_optimizer)
     assert losses[-1] < 0.05 * losses[0], losses[::10]
+
+
+# -- the factory: groups first, the optimizer once -------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer_class, options", [
+    ("torch.optim.SGD", {"momentum": 0.9, "nesterov": True}),
+    ("lbt.optim.LARS", {"momentum": 0.9, "nesterov": True, "trust_coefficient": 0.002}),
+    ("lbt.optim.LAMB", {"betas": (0.9, 0.99)}),
+])
+def test_create_optimizer_splits_groups_with_one_filter(optimizer_class, options):
+    from lbt.models import CNN1d
+    from lbt.optim import create_optimizer
+
+    model = CNN1d(input_shape=(40,))
+    excluded = {id(p) for name, p in model.named_parameters() if name.endswith("bias") or ".bn" in name or p.ndim == 1}
+    optimizer = create_optimizer(model, optimizer_class, lr=0.1, weight_decay=5e-4, no_bn_weight_decay=True, **options)
+    assert type(optimizer).__name__ == optimizer_class.rsplit(".", 1)[1]
+    decayed, not_decayed = optimizer.param_groups
+    assert decayed["weight_decay"] == 5e-4 and not_decayed["weight_decay"] == 0.0
+    assert {id(p) for p in not_decayed["params"]} == excluded  # every bias and BN parameter, nothing else
+    assert not decayed["exclude_from_trust"] and not_decayed["exclude_from_trust"]
+    assert all(optimizer.defaults[k] == v for k, v in options.items())
+    # Without the flag: one group, every parameter decayed (and given a trust ratio by LARS/LAMB).
+    single = create_optimizer(model, optimizer_class, lr=0.1, weight_decay=5e-4, **options)
+    assert len(single.param_groups) == 1 and single.param_groups[0]["weight_decay"] == 5e-4
+
+
+def test_create_optimizer_errors_are_one_line_config_errors():
+    from lbt.models import MLP
+    from lbt.optim import create_optimizer
+
+    model = MLP(input_shape=(40,))
+    with pytest.raises(ConfigError, match="optim.lr must be a positive number"):
+        create_optimizer(model, "torch.optim.SGD", lr=0)
+    with pytest.raises(ConfigError, match="optim.optimizer_class: cannot import 'torch.optim.Nope'"):
+        create_optimizer(model, "torch.optim.Nope", lr=0.1)
+    with pytest.raises(ConfigError, match="optim: .*momentum"):
+        create_optimizer(model, "torch.optim.SGD", lr=0.1, momentum=-1)
+

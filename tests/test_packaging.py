@@ -24,7 +24,7 @@ def test_installed_wheel_finds_its_configs(tmp_path):
     elsewhere.mkdir()
     env = {**os.environ, "PYTHONPATH": str(target)}
     out = subprocess.run(
-        [sys.executable, "-m", "lbt.cli", "train", "data=synthetic", "model=mlp", "trainer.epochs=1",
+        [sys.executable, "-m", "lbt", "train", "data=synthetic", "model=mlp", "trainer.epochs=1",
          "trainer.progress=false", "recipe=baseline", "hydra.run.dir=run"],
         cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120,
     )

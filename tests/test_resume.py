@@ -23,7 +23,7 @@ LAYOUTS = {"simulated": ["dist.world_size=2"], "real": ["dist.world_size=2", "di
 
 
 def start(args: list[str], cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "lbt.cli", "train", *args], cwd=cwd, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "lbt", "train", *args], cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 

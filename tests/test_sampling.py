@@ -4,6 +4,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from lbt.data.base import InMemoryDataset
+from lbt.config import BatchPlan
 from lbt.data.batches import StepBatches
 from lbt.dist import shard_indices
 
@@ -23,7 +24,8 @@ def step_sets(world_size: int, procs: int, global_batch: int, n: int = 1000) -> 
     k = world_size // procs
     sets_per_proc = []
     for rank in range(procs):
-        batches = StepBatches(data, world_size, per_worker, rank * k, k, seed=0, device=torch.device("cpu"))
+        plan = BatchPlan(world_size, procs, per_worker, global_batch)
+        batches = StepBatches(data, plan, rank, seed=0, device=torch.device("cpu"))
         steps = []
         for _, labels in batches.epoch(0):
             assert len(labels) == k * per_worker

@@ -103,11 +103,12 @@ def _job(folder, recipe: str, world_size: int, seed: int, accs: list[float], b_s
     """A job folder as `lbt train -m` leaves it: its result.json (same fields the trainer writes)."""
     folder.mkdir(parents=True)
     global_batch, steps_per_epoch = 32 * world_size, 1024 // (32 * world_size)
-    history = [[steps_per_epoch * (e + 1), 1024 * (e + 1), global_batch, acc] for e, acc in enumerate(accs)]
+    history = [{"step": steps_per_epoch * (e + 1), "samples_seen": 1024 * (e + 1), "global_batch": global_batch,
+                "val_acc": acc} for e, acc in enumerate(accs)]
     (folder / "result.json").write_text(json.dumps({
         "recipe": recipe, "overrides": [f"recipe={recipe}", f"dist.world_size={world_size}", f"trainer.seed={seed}"],
         "world_size": world_size, "procs": 1, "per_worker_batch": 32, "global_batch": global_batch, "seed": seed,
-        "final_val_acc": accs[-1], "best_val_acc": max(accs), "test_acc": None, "steps": history[-1][0],
+        "final_val_acc": accs[-1], "best_val_acc": max(accs), "test_acc": None, "steps": history[-1]["step"],
         "samples_per_sec": 1000.0 * (seed + 1), "diverged": False, "val_history": history,
         "technique_metrics": {"gns/b_simple": b_simple},
     }))

@@ -6,13 +6,13 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import torch
+
 from conftest import train
-from lbt.config import BatchPlan
+from lbt.config import BatchPlan, make_budget
 from lbt.errors import ConfigError
-from lbt.lr import decay_factor, scaling_factor, warmup_factor
-from lbt.techniques.base import Progress
+from lbt.lr import build_schedule, lr_at
 from lbt.techniques.batch_ramp import BatchRamp, ramp_growth
-from lbt.techniques.warmup import Warmup
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
@@ -22,7 +22,7 @@ TWO_STEPS = ["trainer.max_steps=2", "trainer.epochs=1", "trainer.log_every=1"]
 
 def test_there_are_recipes_and_techniques():
     assert {"baseline", "linear_scaling", "goyal2017", "lars", "lamb", "smith2017_ramp", "akiba2017"} <= set(RECIPES)
-    assert {"lr_scaling", "warmup", "lars", "batch_ramp", "no_bn_weight_decay"} <= set(TECHNIQUES)
+    assert {"batch_ramp", "ghost_bn", "gns", "zero_init_residual", "bn_epoch_average"} <= set(TECHNIQUES)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -58,34 +58,48 @@ def test_comm_compression_on_real_processes(tmp_path):
     assert result["steps"] == 2 and math.isfinite(result["final_train_loss"])
 
 
-def test_train_lr_curve_matches_the_pure_functions(tmp_path, capsys):
-    # 512 samples, global batch 128: 4 steps/epoch, 3 epochs; warmup 1 epoch; poly decay
+def test_train_lr_curve_is_lr_at(tmp_path, capsys):
+    # 512 samples, global batch 128: 4 steps/epoch, 3 epochs; warmup 1 epoch; poly decay after it
     result = train(tmp_path, ["model=mlp", "dist.world_size=4", "trainer.per_worker_batch=32", "trainer.epochs=3",
-                              "trainer.log_every=1", "optim.lr=0.05", "schedule=poly",
-                              "technique=[lr_scaling,warmup]", "technique.lr_scaling.base_batch=32",
-                              "technique.warmup.epochs=1"])
+                              "trainer.log_every=1", "optim.lr=0.05", "schedule=poly", "schedule.scaling=linear",
+                              "schedule.base_batch=32", "schedule.warmup_epochs=1"])
     printed = capsys.readouterr().out
-    assert "global_batch=128" in printed and "lr=0.2 (base 0.05 x 4" in printed
-    events = EventAccumulator(str(tmp_path))
-    events.Reload()
-    logged = [(e.step, e.value) for e in events.Scalars("train/lr")]
+    assert "global_batch=128" in printed and "lr: peak 0.2 at sample 512 (step 4)" in printed
+    logged = scalars(tmp_path, "train/lr")
     assert [step for step, _ in logged] == list(range(1, 13))
-    total = 12 * 128
+    plan = BatchPlan(4, 1, 32, 128)
+    schedule = build_schedule(result["config"]["schedule"], 0.05, 128, make_budget([plan] * 3, 512, None))
     for step, value in logged:
         seen = (step - 1) * 128  # the LR of a step is set from the samples seen before it
-        expected = 0.05 * scaling_factor(128, 32, "linear") * warmup_factor(seen, 512, 1 / 4) * decay_factor(
-            seen, total, "poly", power=2.0)
-        assert value == pytest.approx(expected, rel=1e-6)
-    assert result["steps"] == 12
+        assert value == pytest.approx(lr_at(seen, schedule), rel=1e-6)
+    assert max(value for _, value in logged) == pytest.approx(0.2)
+    assert result["steps"] == 12 and result["peak_lr"] == pytest.approx(0.2) and result["peak_lr_samples"] == 512
 
 
-def test_warmup_starts_from_the_unscaled_base_lr():
-    warmup = Warmup(epochs=2)
-    start = Progress(0, 0, 0, 256, 256, 1000, 10000)
-    assert warmup.lr_factor(start, scale=8.0) == pytest.approx(1 / 8)
-    middle = Progress(1000, 0, 1, 256, 256, 1000, 10000)
-    assert warmup.lr_factor(middle, scale=8.0) == pytest.approx(1 / 8 + (1 - 1 / 8) / 2)
-    assert warmup.lr_factor(Progress(2000, 0, 2, 256, 256, 1000, 10000), scale=8.0) == 1.0
+def test_goyal2017_reaches_the_peak_it_configures(tmp_path, capsys):
+    """The acceptance case: at world_size 16 the logged maximum of train/lr is optim.lr x 16, printed at start."""
+    result = train(tmp_path, ["recipe=goyal2017", "model=mlp", "dist.world_size=16", "data.num_train=4096",
+                              "trainer.epochs=7"])
+    assert "lr: peak 1.6 at sample 20,480 (step 20)" in capsys.readouterr().out  # 5 epochs x 4 steps x 1,024
+    # TensorBoard keeps float32: exactly the float32 nearest to 1.6
+    assert max(value for _, value in scalars(tmp_path, "train/lr")) == float(torch.tensor(0.1 * 16))
+    assert result["peak_lr"] == 0.1 * 16
+
+
+def test_lars_is_an_optimizer_built_once(tmp_path, monkeypatch):
+    built = []
+    original = torch.optim.Optimizer.__init__
+
+    def counting(self, *args, **kwargs):
+        built.append(type(self).__name__)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Optimizer, "__init__", counting)
+    result = train(tmp_path, ["recipe=lars", "model=cnn1d", "dist.world_size=2", *TWO_STEPS])
+    assert built == ["LARS"] and result["config"]["optim"]["optimizer_class"] == "lbt.optim.LARS"
+    built.clear()
+    train(tmp_path / "sgd", ["optim.no_bn_weight_decay=true", *TWO_STEPS])
+    assert built == ["SGD"]
 
 
 def test_batch_ramp_growth_at_each_milestone():
@@ -95,16 +109,34 @@ def test_batch_ramp_growth_at_each_milestone():
     assert ramp_growth(8, [3, 6, 8], 2, 4) == (4, 1)
     ramp = BatchRamp(milestones=[1, 2], factor=2, max_global_batch=256, grow="world_size")
     base = BatchPlan(world_size=2, procs=1, per_worker_batch=32, global_batch=64)
-    plans = [ramp.epoch_plan(e, base) for e in range(4)]
+    plans = ramp.plan_epochs([base] * 4, num_train=10_000)
     assert [p.global_batch for p in plans] == [64, 128, 256, 256]
     assert [p.world_size for p in plans] == [2, 4, 8, 8] and all(p.per_worker_batch == 32 for p in plans)
+    assert all(p.lr_factor == 1 for p in plans)
+
+
+def test_batch_ramp_caps_at_the_training_set_and_divides_the_lr_instead(capfd):
+    ramp = BatchRamp(milestones=[1, 2, 3], factor=2, max_global_batch=8192)
+    plans = ramp.plan_epochs([BatchPlan(2, 1, 64, 128)] * 5, num_train=512)
+    assert [p.global_batch for p in plans] == [128, 256, 512, 512, 512]
+    assert [p.lr_factor for p in plans] == [1, 1, 1, 0.5, 0.5]
+    assert "lbt: note: technique.batch_ramp: the global batch stops growing at the 512 samples" in capfd.readouterr().err
+
+
+def test_smith2017_ramp_runs_on_a_small_dataset(tmp_path):
+    result = train(tmp_path, ["recipe=smith2017_ramp", "dist.world_size=2", "trainer.max_steps=2"])
+    assert result["steps"] == 2 and math.isfinite(result["final_train_loss"])
 
 
 def test_batch_ramp_run_grows_the_logged_global_batch(tmp_path):
     result = train(tmp_path, ["model=mlp", "technique=[batch_ramp]", "technique.batch_ramp.milestones=[1]",
                               "trainer.epochs=2", "trainer.log_every=1", "trainer.global_batch=64"])
-    events = EventAccumulator(str(tmp_path))
-    events.Reload()
-    batches = [e.value for e in events.Scalars("train/global_batch")]
+    batches = [value for _, value in scalars(tmp_path, "train/global_batch")]
     assert batches == [64] * 8 + [128] * 4
     assert result["samples_seen"] == 8 * 64 + 4 * 128
+
+
+def scalars(run_dir, tag: str) -> list[tuple[int, float]]:
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)]

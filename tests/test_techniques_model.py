@@ -13,7 +13,8 @@ from lbt.errors import ConfigError
 from lbt.models import CNN1d, MLP, ResNet20
 from lbt.techniques.base import Progress
 from lbt.techniques.comm_compression import KINDS, CommCompression, compressed_bytes
-from lbt.techniques.ghost_bn import GhostBatchNorm, GhostBN, ghost_batch_norm
+from lbt.nn import GhostBatchNorm, ghost_batch_norm
+from lbt.techniques.ghost_bn import GhostBN
 from lbt.techniques.grad_clip import GradClip, clip_coefficient
 from lbt.techniques.label_smoothing import LabelSmoothing, smooth_labels
 from lbt.techniques.sync_bn import SyncBN, runs_on_cuda
@@ -113,7 +114,7 @@ def test_label_smoothing_hook_returns_smoothed_cross_entropy():
     torch.testing.assert_close(loss_fn(logits, y), F.cross_entropy(logits, smooth_labels(y, 10, 0.2)))
     with pytest.raises(ConfigError, match="cross-entropy"):
         LabelSmoothing().on_loss(nn.MSELoss())
-    with pytest.raises(ConfigError, match=r"eps must be in \[0, 1\)"):
+    with pytest.raises(ConfigError, match=r"eps must be a number in \[0, 1\)"):
         LabelSmoothing(eps=1.0)
 
 
@@ -251,8 +252,7 @@ def test_clip_coefficient_by_hand():
 
 
 def _progress() -> Progress:
-    return Progress(samples_seen=0, step=0, epoch=0, global_batch=8, base_global_batch=8,
-                    samples_per_epoch=8, total_samples=8)
+    return Progress(samples_seen=0, step=0, epoch=0, global_batch=8, samples_per_epoch=8)
 
 
 @pytest.mark.parametrize("max_norm", [0.01, 1e6])
@@ -366,24 +366,3 @@ def test_comm_hooks_on_gloo_with_two_processes(tmp_path):
             assert not torch.allclose(weight, mean[0])
             torch.testing.assert_close(powersgd[step]["reduced"][1], mean[1])  # a bias goes uncompressed
     assert ranks[0]["powersgd"]["ratio"] > 5
-
-
-def test_lars_and_no_bn_weight_decay_rebuild_the_optimizer_with_one_filter():
-    from lbt.optim.lars import LARS
-    from lbt.techniques.lars import Lars
-    from lbt.techniques.no_bn_weight_decay import NoBNWeightDecay
-
-    model = CNN1d(input_shape=(40,))
-    excluded = {id(p) for name, p in model.named_parameters() if name.endswith("bias") or ".bn" in name or p.ndim == 1}
-    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4, nesterov=True)
-    for technique, expected_type in ((NoBNWeightDecay(), torch.optim.SGD), (Lars(trust_coefficient=0.002), LARS)):
-        optimizer = technique.on_optimizer(sgd, model)
-        assert type(optimizer) is expected_type and optimizer is not sgd
-        decayed, not_decayed = optimizer.param_groups
-        assert decayed["weight_decay"] == 5e-4 and not_decayed["weight_decay"] == 0.0
-        assert {id(p) for p in not_decayed["params"]} == excluded  # every bias and BN parameter, nothing else
-        assert not decayed["exclude_from_trust"] and not_decayed["exclude_from_trust"]
-        assert optimizer.defaults["momentum"] == 0.9 and optimizer.defaults["nesterov"] is True
-    assert optimizer.defaults["trust_coefficient"] == 0.002
-    with pytest.raises(ConfigError, match="on top of SGD"):
-        Lars().on_optimizer(torch.optim.Adam(model.parameters()), model)

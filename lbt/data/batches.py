@@ -12,8 +12,10 @@ from typing import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lbt.config import BatchPlan
 from lbt.data.base import InMemoryDataset
 from lbt.dist import shard_indices
+
 
 class StepBatches:
     """Yields, per step, this process's (inputs, labels): its virtual workers'
@@ -25,26 +27,18 @@ class StepBatches:
     whose batch sampler yields the process's indices of each step.
     """
 
-    def __init__(
-        self,
-        dataset: Dataset,
-        world_size: int,
-        per_worker_batch: int,
-        first_worker: int,
-        workers_per_proc: int,
-        seed: int,
-        device: torch.device,
-        num_workers: int = 0,
-    ):
+    def __init__(self, dataset: Dataset, plan: BatchPlan, rank: int, seed: int, device: torch.device,
+                 num_workers: int = 0):
         self.dataset = dataset
-        self.world_size = world_size
-        self.per_worker_batch = per_worker_batch
-        self.local_workers = slice(first_worker, first_worker + workers_per_proc)
-        self.workers_per_proc = workers_per_proc
+        self.world_size = plan.world_size
+        self.per_worker_batch = plan.per_worker_batch
+        self.workers_per_proc = plan.workers_per_proc
+        first_worker = rank * plan.workers_per_proc
+        self.local_workers = slice(first_worker, first_worker + plan.workers_per_proc)
         self.seed = seed
         self.device = device
         self.num_workers = num_workers
-        self.steps_per_epoch = (len(dataset) // world_size) // per_worker_batch
+        self.steps_per_epoch = plan.steps_per_epoch(len(dataset))
 
     def step_indices(self, epoch: int) -> torch.Tensor:
         """(steps, workers_per_proc * per_worker_batch): this process's indices per step."""
@@ -54,8 +48,10 @@ class StepBatches:
         # worker-major within a step: chunk i of a step's batch is local worker i's batch
         return steps.permute(1, 0, 2).reshape(self.steps_per_epoch, self.workers_per_proc * b)
 
-    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        indices = self.step_indices(epoch)[start_step:]
+    def epoch(self, epoch: int, start_step: int = 0, end_step: int | None = None
+              ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The batches of steps start_step .. end_step - 1 of `epoch` (to the epoch's end by default)."""
+        indices = self.step_indices(epoch)[start_step:end_step]
         if isinstance(self.dataset, InMemoryDataset):
             x, y = self.dataset.x, self.dataset.y
             for step in indices:

@@ -5,10 +5,8 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
-import os
 import random
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +14,7 @@ import torch
 
 from lbt.data.base import DataSplits, InMemoryDataset, split_validation
 from lbt.errors import ConfigError
+from lbt.paths import atomic_write
 
 
 def build_mnist1d(
@@ -40,7 +39,10 @@ def build_mnist1d(
     if not path.exists():
         if progress:
             print(f"lbt: generating MNIST-1D ({num_samples} samples) into {path}, once ...", file=sys.stderr, flush=True)
-        _write_atomically(path, _generate(num_samples, train_split, seed, overrides))
+        arrays = _generate(num_samples, train_split, seed, overrides)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Several processes (the ranks of one job) may generate at once: each publishes a whole file.
+        atomic_write(path, lambda f: np.savez(f, **arrays))
     with np.load(path) as arrays:
         train = InMemoryDataset(torch.from_numpy(arrays["x"]), torch.from_numpy(arrays["y"]))
         test = InMemoryDataset(torch.from_numpy(arrays["x_test"]), torch.from_numpy(arrays["y_test"]))
@@ -92,22 +94,3 @@ def _generate(num_samples: int, train_split: float, seed: int, overrides: dict) 
         "x_test": data["x_test"].astype(np.float32),
         "y_test": data["y_test"].astype(np.int64),
     }
-
-
-def _write_atomically(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    """Write to a temporary file in the same folder, then rename it into place.
-
-    Several processes (e.g. the ranks of one job) may generate at once: each
-    writes its own temporary file and os.replace makes one of the identical
-    results appear whole, so no reader ever sees a half-written file.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private (0600); a cache is meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise

@@ -1,5 +1,6 @@
-"""Large-batch optimizers and the parameter filter they share with weight decay."""
+"""Optimizers (LARS, LAMB), the parameter filter they share with weight decay, and the factory."""
 
+from lbt.optim.factory import create_optimizer
 from lbt.optim.lamb import LAMB, lamb_trust_ratio
 from lbt.optim.lars import LARS, lars_trust_ratio
 from lbt.optim.param_groups import EXCLUDE_FROM_TRUST, is_excluded, param_groups
@@ -8,6 +9,7 @@ __all__ = [
     "EXCLUDE_FROM_TRUST",
     "LAMB",
     "LARS",
+    "create_optimizer",
     "is_excluded",
     "lamb_trust_ratio",
     "lars_trust_ratio",

@@ -1,5 +1,5 @@
 """Plug-in techniques; see lbt/techniques/base.py for the hooks and where they fire."""
 
-from lbt.techniques.base import Progress, Technique, learning_rate, sort_techniques
+from lbt.techniques.base import Progress, Technique, sort_techniques
 
-__all__ = ["Progress", "Technique", "learning_rate", "sort_techniques"]
+__all__ = ["Progress", "Technique", "sort_techniques"]

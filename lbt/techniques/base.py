@@ -1,23 +1,22 @@
 """The plug-in interface: a technique is a small class with typed, no-op hooks.
 
-Where each hook fires in a run (see lbt/train.py and lbt/trainer.py):
+Where each hook fires in a run (lbt/train.py builds, lbt/trainer.py loops):
 
     model = build_model()
     for t in techniques: model = t.on_model(model)               # BN swaps, zero-init, ...
-    optimizer = build_optimizer(model.parameters())
-    for t in techniques: optimizer = t.on_optimizer(optimizer, model)  # param groups, LARS
     loss_fn = CrossEntropyLoss()
     for t in techniques: loss_fn = t.on_loss(loss_fn)            # label smoothing
+    plans = [base_plan] * epochs
+    for t in techniques: plans = t.plan_epochs(plans, num_train) # batch ramp
+    optimizer = create_optimizer(model)                           # once (lbt/optim/factory.py)
+    schedule = build_schedule(...)                                # the LR (lbt/lr.py)
     ddp = DistributedDataParallel(model)                          # when procs > 1
     hook = allreduce                                              # DDP's one communication hook,
     for t in techniques: hook = t.comm_hook(hook, ddp)            # composed: compression, measurements
-    for epoch: plan = base_plan; for t in techniques: plan = t.epoch_plan(epoch, plan)  # batch ramp
     for epoch:
         for t in techniques: t.on_epoch_start(epoch, model)       # BN statistics reset
         for step:
-            progress = Progress(samples_seen, global_batch, ...)
-            scale = prod(t.lr_scale(progress))                    # scaling rules
-            lr = base_lr * scale * prod(t.lr_factor(progress, scale))  # warmup, decay
+            lr = lr_at(samples_seen, schedule)
             for worker in local workers: forward, backward        # no_sync but the last (or fused)
                 (first worker alone, if a technique wants_worker_gradient:
                  t.on_worker_gradient(model, per_worker_batch, workers))  # gradient noise scale
@@ -28,7 +27,7 @@ Where each hook fires in a run (see lbt/train.py and lbt/trainer.py):
 
 Techniques run in ascending `order` at every hook (a declared order, so a
 recipe's list order does not matter): model surgery before initialisation
-tweaks, group splitting before optimizers that read the groups.
+tweaks, measurements before clipping.
 """
 
 from __future__ import annotations
@@ -45,15 +44,13 @@ CommHook = Callable[["torch.distributed.GradBucket"], torch.futures.Future]
 
 
 class Progress(NamedTuple):
-    """Where the run is, in the units LR schedules use: samples seen (immutable; built every step)."""
+    """Where the run is at a step (immutable; built every step)."""
 
     samples_seen: int
     step: int
     epoch: int
     global_batch: int  # of the current step
-    base_global_batch: int  # as configured, before any batch ramp
     samples_per_epoch: int  # training samples per epoch (the dataset size)
-    total_samples: int  # samples the whole run will see
 
 
 class Technique:
@@ -68,11 +65,16 @@ class Technique:
     def on_model(self, model: nn.Module) -> nn.Module:
         return model
 
-    def on_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
-        return optimizer
-
     def on_loss(self, loss_fn: Callable) -> Callable:
         return loss_fn
+
+    def plan_epochs(self, plans: list[BatchPlan], num_train: int) -> list[BatchPlan]:
+        """The batch layout of every epoch, decided before training starts (a batch ramp changes it).
+
+        A plan's lr_factor is how the technique changes the LR: the schedule
+        (lbt/lr.py) applies it from that epoch on.
+        """
+        return plans
 
     def comm_hook(self, inner: CommHook, ddp_model: nn.Module) -> CommHook:
         """The gradient allreduce with this technique's part added (real processes only).
@@ -84,20 +86,8 @@ class Technique:
         """
         return inner
 
-    def epoch_plan(self, epoch: int, plan: BatchPlan) -> BatchPlan:
-        """The batch layout of `epoch`; called for every epoch before training starts."""
-        return plan
-
     def on_epoch_start(self, epoch: int, model: nn.Module) -> None:
         pass
-
-    def lr_scale(self, progress: Progress) -> float:
-        """Multiplier of the target LR (scaling rules)."""
-        return 1.0
-
-    def lr_factor(self, progress: Progress, scale: float) -> float:
-        """Multiplier shaping the LR over time (warmup, decay); `scale` is the product of lr_scale."""
-        return 1.0
 
     def on_worker_gradient(self, model: nn.Module, per_worker_batch: int, workers: int) -> None:
         """Gradients hold the first local worker's gradient divided by `workers`."""
@@ -109,7 +99,7 @@ class Technique:
         pass
 
     def state_dict(self) -> dict:
-        """What a checkpoint must keep for an exact resume (plain values and tensors)."""
+        """What a checkpoint must keep for an exact resume (plain values and tensors), per rank."""
         return {}
 
     def load_state_dict(self, state: dict) -> None:
@@ -125,14 +115,3 @@ class Technique:
 
 def sort_techniques(techniques: list[Technique]) -> list[Technique]:
     return sorted(techniques, key=lambda t: t.order)
-
-
-def learning_rate(base_lr: float, techniques: list[Technique], progress: Progress) -> tuple[float, float]:
-    """base_lr x scaling x warmup x decay; returns (lr, scale)."""
-    scale = 1.0
-    for technique in techniques:
-        scale *= technique.lr_scale(progress)
-    lr = base_lr * scale
-    for technique in techniques:
-        lr *= technique.lr_factor(progress, scale)
-    return lr, scale

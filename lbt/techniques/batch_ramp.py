@@ -3,37 +3,38 @@
 from __future__ import annotations
 
 import bisect
-import dataclasses
 
 from lbt.config import BatchPlan
-from lbt.errors import ConfigError
-from lbt.techniques.base import Progress, Technique
+from lbt.dist import note
+from lbt.techniques.base import Technique
+from lbt.validate import integer, number, one_of
 
 
 def ramp_growth(epoch: float, milestones: list[float], factor: int, max_growth: int) -> tuple[int, int]:
-    """(batch growth, LR decays) in force at `epoch`.
+    """(batch growth, LR divisions) in force at `epoch`.
 
     Each milestone reached multiplies the batch by `factor` while the growth
     stays <= max_growth; milestones reached after that divide the LR by
     `factor` instead (Smith et al.: once the batch cannot grow, decay the LR).
     """
     reached = bisect.bisect_right(sorted(milestones), epoch)
-    growth, decays = 1, 0
+    growth, divisions = 1, 0
     for _ in range(reached):
         if growth * factor <= max_growth:
             growth *= factor
         else:
-            decays += 1
-    return growth, decays
+            divisions += 1
+    return growth, divisions
 
 
 class BatchRamp(Technique):
-    """At each epoch milestone, multiply the global batch by `factor` (up to max_global_batch).
+    """At each epoch milestone, multiply the global batch by `factor`, up to a cap.
 
-    grow=per_worker_batch makes each worker's forward larger; grow=world_size
-    adds (simulated) workers, keeping per_worker_batch and so BN's batch.
-    The LR scaling rule keeps the configured global batch as its reference: the
-    ramp replaces LR decay, so the LR must not grow with it.
+    The cap is max_global_batch (default: no cap) and never more than the
+    training set holds. grow=per_worker_batch makes each worker's forward
+    larger; grow=world_size adds (simulated) workers, keeping per_worker_batch
+    and so BN's batch. The LR scaling rule keeps the configured global batch
+    as its reference: the ramp replaces LR decay, so the LR must not grow with it.
     """
 
     name = "batch_ramp"
@@ -41,30 +42,29 @@ class BatchRamp(Technique):
 
     def __init__(self, milestones: list[float] = (3, 6, 8), factor: int = 2, max_global_batch: int | None = None,
                  grow: str = "per_worker_batch"):
-        if grow not in ("per_worker_batch", "world_size"):
-            raise ConfigError(f"technique.batch_ramp.grow must be per_worker_batch or world_size, got {grow!r}")
-        if isinstance(factor, bool) or not isinstance(factor, int) or factor < 2:
-            raise ConfigError(f"technique.batch_ramp.factor must be an integer >= 2, got {factor!r}")
-        if max_global_batch is not None and (not isinstance(max_global_batch, int) or max_global_batch < 1):
-            raise ConfigError(f"technique.batch_ramp.max_global_batch must be a positive integer, got {max_global_batch!r}")
-        self.milestones, self.factor = sorted(milestones), factor
-        self.max_global_batch, self.grow = max_global_batch, grow
-        self.max_growth: int | None = None
+        self.grow = one_of("technique.batch_ramp.grow", grow, ("per_worker_batch", "world_size"))
+        self.factor = integer("technique.batch_ramp.factor", factor, 2)
+        if max_global_batch is not None:
+            integer("technique.batch_ramp.max_global_batch", max_global_batch)
+        self.milestones = sorted(number("technique.batch_ramp.milestones", m, low=0) for m in milestones)
+        self.max_global_batch = max_global_batch
+        self.cap: int | None = None  # the largest global batch the ramp reaches, once planned
 
-    def epoch_plan(self, epoch: int, plan: BatchPlan) -> BatchPlan:
-        cap = self.max_global_batch or plan.global_batch * self.factor ** len(self.milestones)
-        self.max_growth = max(1, cap // plan.global_batch)
-        growth, _ = ramp_growth(epoch, self.milestones, self.factor, self.max_growth)
-        if self.grow == "world_size":
-            world_size = plan.world_size * growth
-            return dataclasses.replace(plan, world_size=world_size, global_batch=plan.per_worker_batch * world_size)
-        per_worker = plan.per_worker_batch * growth
-        return dataclasses.replace(plan, per_worker_batch=per_worker, global_batch=per_worker * plan.world_size)
-
-    def lr_factor(self, progress: Progress, scale: float) -> float:
-        _, decays = ramp_growth(progress.epoch, self.milestones, self.factor, self.max_growth or 1)
-        return self.factor ** -decays
+    def plan_epochs(self, plans: list[BatchPlan], num_train: int) -> list[BatchPlan]:
+        start = plans[0].global_batch
+        cap = self.max_global_batch or start * self.factor ** len(self.milestones)
+        if cap > num_train:
+            note(f"technique.batch_ramp: the global batch stops growing at the {num_train:,} samples of the "
+                 f"training set (asked: up to {cap:,}); later milestones divide the LR by {self.factor} instead")
+            cap = num_train
+        max_growth = max(1, cap // start)
+        grown = []
+        for epoch, plan in enumerate(plans):
+            growth, divisions = ramp_growth(epoch, self.milestones, self.factor, max_growth)
+            grown.append(plan.grown(growth, self.grow, plan.lr_factor / self.factor**divisions))
+        self.cap = max(p.global_batch for p in grown)
+        return grown
 
     def describe(self) -> str:
-        cap = f" up to {self.max_global_batch}" if self.max_global_batch else ""
+        cap = f" up to {self.cap:,}" if self.cap else ""
         return f"batch x{self.factor} at epochs {self.milestones}{cap} (via {self.grow})"

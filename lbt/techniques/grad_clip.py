@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lbt.errors import ConfigError
 from lbt.techniques.base import Progress, Technique
+from lbt.validate import number
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:
@@ -29,9 +29,7 @@ class GradClip(Technique):
     order = 90  # late: measurement plug-ins at lower orders see the unclipped gradient
 
     def __init__(self, max_norm: float = 1.0):
-        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
-            raise ConfigError(f"technique.grad_clip.max_norm must be a positive number, got {max_norm!r}")
-        self.max_norm = float(max_norm)
+        self.max_norm = number("technique.grad_clip.max_norm", max_norm, low=0, low_open=True)
         self.last_norm: torch.Tensor | None = None  # before clipping; a tensor, so no device sync per step
 
     def after_backward(self, model: nn.Module, progress: Progress) -> None:

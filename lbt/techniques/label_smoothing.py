@@ -10,6 +10,7 @@ from torch import nn
 
 from lbt.errors import ConfigError
 from lbt.techniques.base import Technique
+from lbt.validate import number
 
 
 def smooth_labels(targets: torch.Tensor, num_classes: int, eps: float) -> torch.Tensor:
@@ -30,9 +31,7 @@ class LabelSmoothing(Technique):
     order = 50
 
     def __init__(self, eps: float = 0.1):
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:
-            raise ConfigError(f"technique.label_smoothing.eps must be in [0, 1), got {eps!r}")
-        self.eps = float(eps)
+        self.eps = number("technique.label_smoothing.eps", eps, low=0, high=1, high_open=True)
 
     def on_loss(self, loss_fn: Callable) -> Callable:
         if not isinstance(loss_fn, nn.CrossEntropyLoss):

@@ -1,0 +1,5 @@
+"""`python -m lbt train ...` and `torchrun ... -m lbt train ...`: the same as the `lbt` command."""
+
+from lbt.cli import main
+
+main()

@@ -1,0 +1,125 @@
+"""Ghost batch normalization: BatchNorm statistics per chunk of a batch.
+
+Hoffer, Hubara, Soudry 2017, "Train longer, generalize better", sec. 4. Used by
+the technique ghost_bn (chunks smaller than a worker's batch) and by fused
+simulation (lbt/fused.py: one chunk per simulated worker).
+
+Running statistics move once per forward, by the mean of the chunks'
+statistics. BN's update is linear, so that equals averaging one update per
+chunk, the way lbt averages the running stats of its workers
+(`lbt.dist.average_buffers`, `BufferMean`). Evaluation uses the running stats.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from lbt.errors import ConfigError
+
+_PLAIN_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+def ghost_batch_norm(
+    x: torch.Tensor,
+    virtual_batch: int,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    running_mean: torch.Tensor | None = None,
+    running_var: torch.Tensor | None = None,
+    momentum: float = 0.1,
+) -> torch.Tensor:
+    """Training-mode BN of x (N, C, *) with statistics per chunk of `virtual_batch` samples.
+
+    Equals F.batch_norm applied to each chunk x[j*v:(j+1)*v]. Given running
+    stats, they are updated in place by `momentum` towards the chunks' mean
+    statistics (unbiased variance per chunk, as BN does).
+    """
+    n, c, rest = x.shape[0], x.shape[1], x.shape[2:]
+    if n % virtual_batch:
+        raise ConfigError(
+            f"technique.ghost_bn.virtual_batch={virtual_batch} does not divide the batch of {n} samples "
+            f"a BN layer sees; choose a divisor of trainer.per_worker_batch"
+        )
+    chunks = n // virtual_batch
+    # One F.batch_norm call: chunk j's channels become channels j*C..j*C+C-1 of
+    # a (v, chunks*C, *) tensor, so per-channel statistics are per-chunk ones.
+    folded = x.reshape(chunks, virtual_batch, c, *rest).transpose(0, 1).reshape(virtual_batch, chunks * c, *rest)
+
+    def tile(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.repeat(chunks)
+
+    chunk_mean, chunk_var = tile(running_mean), tile(running_var)
+    out = F.batch_norm(folded, chunk_mean, chunk_var, tile(weight), tile(bias), True, momentum, eps)
+    if running_mean is not None and running_var is not None:
+        with torch.no_grad():
+            # Each chunk moved its own copy of the running stats; keep their mean.
+            running_mean.copy_(chunk_mean.view(chunks, c).mean(0))
+            running_var.copy_(chunk_var.view(chunks, c).mean(0))
+    return out.reshape(virtual_batch, chunks, c, *rest).transpose(0, 1).reshape(x.shape)
+
+
+class GhostBatchNorm(_BatchNorm):
+    """A BatchNorm (1d, 2d or 3d input) whose training statistics come from ghost batches.
+
+    Same parameters and buffers under the same names as nn.BatchNorm*d, so
+    state_dicts load either way; eval mode is plain BN with running stats.
+    """
+
+    def __init__(self, num_features: int, virtual_batch: int = 32, eps: float = 1e-5,
+                 momentum: float | None = 0.1, affine: bool = True, track_running_stats: bool = True,
+                 device=None, dtype=None):
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        self.virtual_batch = virtual_batch
+
+    @classmethod
+    def from_batchnorm(cls, bn: _BatchNorm, virtual_batch: int) -> "GhostBatchNorm":
+        ghost = cls(bn.num_features, virtual_batch, bn.eps, bn.momentum, bn.affine, bn.track_running_stats)
+        # Share the very tensors, so anything already holding them (an optimizer) stays valid.
+        for name in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
+            setattr(ghost, name, getattr(bn, name))
+        return ghost.train(bn.training)
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"GhostBatchNorm expects (N, C, *) input, got shape {tuple(input.shape)}")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return super().forward(input)
+        self._check_input_dim(input)
+        # The momentum rules of _BatchNorm.forward (None: cumulative average).
+        momentum = 0.0 if self.momentum is None else self.momentum
+        if self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                momentum = 1.0 / float(self.num_batches_tracked)
+        track = self.track_running_stats
+        return ghost_batch_norm(
+            input, self.virtual_batch, self.weight, self.bias, self.eps,
+            self.running_mean if track else None, self.running_var if track else None, momentum,
+        )
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, virtual_batch={self.virtual_batch}"
+
+
+def replace_batchnorms(module: nn.Module, make: Callable[[_BatchNorm], nn.Module]) -> list[nn.Module]:
+    """Replace every nn.BatchNorm1d/2d/3d under `module` by make(layer), in place; return the new layers.
+
+    Other BN flavours (GhostBatchNorm, SyncBatchNorm) are left as they are.
+    """
+    replaced = []
+    for name, child in module.named_children():
+        if isinstance(child, _PLAIN_BATCH_NORMS):
+            new = make(child)
+            setattr(module, name, new)
+            replaced.append(new)
+        else:
+            replaced += replace_batchnorms(child, make)
+    return replaced
