@@ -5,7 +5,7 @@
 
 cnn1d on MNIST-1D at a fixed per-worker batch b (default 64), one thread per
 process (lbt's default for P=2 on 2 cores: the cores are shared out):
-- predicted (lbt/plan.py): compute = `profile_compute("cnn1d", b, threads=1)`
+- predicted (lbt/plan.py): compute = `profile_compute(cnn1d, MNIST-1D's shape, b, threads=1)`
   (forward + backward + SGD step on random data) run in P processes at once,
   as the P workers share this machine's cores and memory; the step waits for
   the slower worker, `expected_max(per-step times, P)`; network = the loopback
@@ -38,12 +38,13 @@ from _common import LoadWatch, describe_machine, headline, median, run_lbt_subpr
 from allreduce import paced_network  # noqa: E402
 
 from lbt.plan import (  # noqa: E402
-    expected_max, gradient_bytes, profile_compute, ring_allreduce_seconds, step_seconds,
+    config_node, data_shape, expected_max, gradient_bytes, profile_compute, ring_allreduce_seconds, step_seconds,
 )
 
 
 def _profile_worker(rank: int, b: int, repeats: int, out_dir: str) -> None:
-    compute = profile_compute("cnn1d", b, threads=1, repeats=repeats)
+    compute = profile_compute(config_node("model", "cnn1d"), data_shape(config_node("data", "mnist1d")), b,
+                              threads=1, repeats=repeats, name="cnn1d")
     Path(out_dir, f"{rank}.json").write_text(json.dumps({"samples": compute.step_samples,
                                                          "params": compute.num_params}))
 

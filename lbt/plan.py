@@ -32,6 +32,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from lbt.data.base import DataShape
+from lbt.paths import conf_dir
+
 BYTES_PER_FP32 = 4
 # Backward costs about twice the forward (one matmul for the input gradient,
 # one for the weight gradient), so ~2/3 of a step's compute; used when the
@@ -223,12 +226,18 @@ def plan_rows(
 
 
 # -- compute time -----------------------------------------------------------------
-# The models `--model` knows, with the input shape of the data they are meant for.
-MODELS = {
-    "cnn1d": ("lbt.models.CNN1d", (40,)),
-    "mlp": ("lbt.models.MLP", (40,)),
-    "resnet20": ("lbt.models.ResNet20", (3, 32, 32)),
-}
+def config_names(group: str) -> list[str]:
+    """The options of a config group (conf/model, conf/data): what `lbt train model=...` accepts."""
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+
+
+def config_node(group: str, name: str) -> dict:
+    """conf/<group>/<name>.yaml as a plain dict (its `_target_` and keyword arguments)."""
+    from omegaconf import OmegaConf
+
+    if name not in config_names(group):
+        raise ValueError(f"no {group} {name!r}: choose one of {', '.join(config_names(group))} (conf/{group}/)")
+    return OmegaConf.to_container(OmegaConf.load(conf_dir() / group / f"{name}.yaml"), resolve=True)
 
 
 def _locate(target: str):
@@ -236,23 +245,31 @@ def _locate(target: str):
     return getattr(importlib.import_module(module), name)
 
 
+def data_shape(data: dict) -> DataShape:
+    """A data config's input shape, classes and training-set size, without loading the data."""
+    node = dict(data)
+    return _locate(node.pop("_target_"))(**node, shape_only=True)
+
+
+def build_model(model: dict, shape: DataShape):
+    """The model of a model config for data of `shape` (an image folder's unknown classes: ImageNet's 1,000)."""
+    node = dict(model)
+    return _locate(node.pop("_target_"))(input_shape=shape.input_shape, num_classes=shape.num_classes or 1000,
+                                         **node)
+
+
 def profile_compute(
-    model_name: str,
+    model: dict,
+    shape: DataShape,
     per_worker_batch: int,
-    input_shape: tuple[int, ...] | None = None,
-    num_classes: int = 10,
     threads: int | None = None,
     repeats: int = 20,
     warmup: int = 3,
-    model_kwargs: dict | None = None,
+    name: str = "model",
 ) -> Compute:
     """Median forward, backward and SGD-step time of one worker at its batch, on random data (CPU)."""
     import torch
 
-    target, default_shape = MODELS[model_name] if model_name in MODELS else (model_name, None)
-    shape = tuple(input_shape or default_shape or ())
-    if not shape:
-        raise ValueError(f"give --input-shape for model {model_name!r}")
     previous_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -260,17 +277,22 @@ def profile_compute(
         generator = torch.Generator().manual_seed(0)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            model = _locate(target)(input_shape=shape, num_classes=num_classes, **(model_kwargs or {}))
-        model.train()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
-        x = torch.randn(per_worker_batch, *shape, generator=generator)
-        y = torch.randint(0, num_classes, (per_worker_batch,), generator=generator)
+            net = build_model(model, shape)
+        net.train()
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+        x = torch.randn(per_worker_batch, *shape.input_shape, generator=generator)
+        y = torch.randint(0, shape.num_classes or 1000, (per_worker_batch,), generator=generator)
         loss_fn = torch.nn.CrossEntropyLoss()
         times: list[tuple[float, float, float]] = []  # forward, backward, optimizer per step
         for i in range(warmup + repeats):
             optimizer.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
-            loss = loss_fn(model(x), y)
+            try:
+                loss = loss_fn(net(x), y)
+            except RuntimeError as error:
+                raise ValueError(f"{name} cannot take inputs of shape {shape.input_shape} "
+                                 f"({str(error).splitlines()[0]}): choose the data it is meant for, "
+                                 "or give --input-shape") from None
             t1 = time.perf_counter()
             loss.backward()
             t2 = time.perf_counter()
@@ -278,30 +300,15 @@ def profile_compute(
             t3 = time.perf_counter()
             if i >= warmup:
                 times.append((t1 - t0, t2 - t1, t3 - t2))
-        num_params = sum(p.numel() for p in model.parameters())
+        num_params = sum(p.numel() for p in net.parameters())
         used = torch.get_num_threads()
     finally:
         torch.set_num_threads(previous_threads)
     forward, backward, opt = (statistics.median(t[k] for t in times) for k in range(3))
     return Compute(forward, backward, opt, per_worker_batch, num_params,
-                   f"measured: {model_name} at batch {per_worker_batch}, input {shape}, {used} threads, "
+                   f"measured: {name} at batch {per_worker_batch}, input {shape.input_shape}, {used} threads, "
                    f"median of {repeats} steps (their spread gives the slowest-worker term)",
                    step_samples=tuple(sum(t) for t in times))
-
-
-def _data_shape(data: dict) -> tuple[tuple[int, ...], int]:
-    """Input shape and class count of a resolved data config (without building the data)."""
-    target = data.get("_target_", "")
-    if "input_shape" in data:
-        return tuple(int(s) for s in data["input_shape"]), int(data.get("num_classes", 10))
-    if target.endswith("mnist1d"):
-        return (40,), 10
-    if target.endswith("cifar10"):
-        return (3, 32, 32), 10
-    if target.endswith("imagefolder"):
-        size = int(data.get("image_size", 224))
-        return (3, size, size), int(data.get("num_classes", 1000))
-    raise ValueError(f"cannot tell the input shape of data {target!r}; use --model and --input-shape")
 
 
 def compute_from_result(path: str | Path) -> tuple[Compute, int | None]:
@@ -322,31 +329,14 @@ def compute_from_result(path: str | Path) -> tuple[Compute, int | None]:
     world, procs, b = int(result["world_size"]), int(result.get("procs") or 1), int(result["per_worker_batch"])
     step = b * world / float(result["samples_per_sec"])
     compute = step * procs / world
-    shape, classes = _data_shape(config["data"])
-    model_node = dict(config["model"])
-    model = _locate(model_node.pop("_target_"))(input_shape=shape, num_classes=classes, **model_node)
-    num_params = sum(p.numel() for p in model.parameters())
+    shape = data_shape(config["data"])
+    num_params = sum(p.numel() for p in build_model(config["model"], shape).parameters())
     source = (f"from {path}: {result['samples_per_sec']:,.0f} samples/s at world_size={world} procs={procs} "
               f"per_worker_batch={b}; forward:backward split assumed 1:2, optimizer folded in"
               + ("; includes that run's own allreduce" if procs > 1 else ""))
     # forward + backward + step together; the usual 1/3 : 2/3 split of forward and backward
     backward = DEFAULT_BACKWARD_SHARE * compute
-    return Compute(compute - backward, backward, 0.0, b, num_params, source), _train_size(config)
-
-
-def _train_size(config: dict) -> int | None:
-    data = config.get("data", {})
-    target = data.get("_target_", "")
-    size = None
-    if target.endswith("mnist1d"):
-        size = int(round(data.get("num_samples", 70000) * data.get("train_split", 6 / 7)))
-    elif target.endswith("synthetic"):
-        size = int(data.get("num_train", 0)) or None
-    elif target.endswith("cifar10"):
-        size = 50000
-    if size is not None:
-        size = int(size * (1 - float(data.get("val_fraction", 0.0) or 0.0)))
-    return size
+    return Compute(compute - backward, backward, 0.0, b, num_params, source), shape.num_train
 
 
 def critical_batch_from_study(study_dir: str | Path) -> float:
@@ -463,18 +453,21 @@ def _parser() -> argparse.ArgumentParser:
         description="Epoch time, speedup and scaling efficiency of synchronous data parallelism over W workers "
                     "(measured compute + ring-allreduce model).",
         epilog="examples:\n"
-               "  lbt plan --model resnet20 --per-worker-batch 128 --network 25gbe\n"
-               "  lbt plan model=resnet20 per_worker_batch=128 network=25gbe   (the same)\n"
+               "  lbt plan --model resnet20 --data cifar10 --per-worker-batch 128 --network 25gbe\n"
+               "  lbt plan model=resnet20 data=cifar10 per_worker_batch=128 network=25gbe   (the same)\n"
                "  lbt plan --from-result runs/train/X/result.json --network ib-fdr --critical-batch 2048\n"
                "  lbt plan --model cnn1d --bandwidth-gbps 40 --latency-us 5 --compression fp16 --overlap 0.5",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", choices=sorted(MODELS), help="profile this model on random data (default cnn1d)")
+    source.add_argument("--model", choices=config_names("model"),
+                        help="profile this model (conf/model/) on random data of --data's shape (default cnn1d)")
     source.add_argument("--from-result", metavar="RESULT_JSON", help="take the compute time from a run's result.json")
-    parser.add_argument("--input-shape", type=int, nargs="+",
-                        help="input shape of one sample (default: the model's data)")
-    parser.add_argument("--num-classes", type=int, default=10)
+    parser.add_argument("--data", choices=config_names("data"),
+                        help="the data the model trains on (conf/data/): its input shape, classes and N "
+                             "(default mnist1d)")
+    parser.add_argument("--input-shape", type=int, nargs="+", help="input shape of one sample (overrides --data's)")
+    parser.add_argument("--num-classes", type=int, help="classes (overrides --data's)")
     parser.add_argument("--per-worker-batch", "-b", type=int, help="b, samples per worker per step (default 64)")
     parser.add_argument("--threads", type=int, help="threads for the profiling run (default: torch's)")
     parser.add_argument("--repeats", type=int, default=20, help="profiled steps, after 3 warm-up steps (default 20)")
@@ -529,7 +522,7 @@ def plan_main(argv: list[str]) -> int:
     try:
         if not 0.0 <= options.overlap <= 1.0:
             raise ValueError(f"--overlap must be in [0, 1], got {options.overlap}")
-        for name in ("per_worker_batch", "max_workers", "train_samples", "threads", "repeats"):
+        for name in ("per_worker_batch", "max_workers", "train_samples", "threads", "repeats", "num_classes"):
             value = getattr(options, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -545,9 +538,13 @@ def plan_main(argv: list[str]) -> int:
                                  f"{compute.per_worker_batch}: the measured time holds for that batch only")
             train_samples = train_samples or result_samples
         else:
-            compute = profile_compute(options.model or "cnn1d", options.per_worker_batch or 64,
-                                      tuple(options.input_shape) if options.input_shape else None,
-                                      options.num_classes, options.threads, options.repeats)
+            shape = data_shape(config_node("data", options.data or "mnist1d"))
+            shape = shape._replace(input_shape=tuple(options.input_shape or shape.input_shape),
+                                   num_classes=options.num_classes or shape.num_classes)
+            name = options.model or "cnn1d"
+            compute = profile_compute(config_node("model", name), shape, options.per_worker_batch or 64,
+                                      options.threads, options.repeats, name=name)
+            train_samples = train_samples or shape.num_train
         train_samples = train_samples or 60000
         rows = plan_rows(compute, network, worker_counts(options.max_workers), train_samples,
                          options.compression, options.overlap, critical_batch)

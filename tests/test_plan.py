@@ -207,3 +207,35 @@ def test_plan_takes_hydra_style_key_values_like_lbt_train(tmp_path, capsys):
     assert code == 0 and out.exists()
     assert "1gbe" in capsys.readouterr().out
     assert plan_main(["model=resnet9000"]) == 2
+
+
+def test_models_and_data_come_from_conf():
+    from lbt.paths import conf_dir
+    from lbt.plan import config_names, data_shape
+
+    assert config_names("model") == sorted(p.stem for p in (conf_dir() / "model").glob("*.yaml"))
+    assert {"cnn1d", "mlp", "resnet20", "torchvision"} <= set(config_names("model"))
+    assert {"mnist1d", "cifar10", "synthetic", "imagefolder"} <= set(config_names("data"))
+    # Without loading the data: MNIST-1D's defaults are 60,000 train samples of 40 values; CIFAR-10's folder is absent.
+    assert data_shape({"_target_": "lbt.data.build_mnist1d"}) == ((40,), 10, 60000)
+    assert data_shape({"_target_": "lbt.data.build_cifar10", "root": "/nowhere", "val_fraction": 0.1}) == \
+        ((3, 32, 32), 10, 45000)
+
+
+def test_data_shape_agrees_with_the_built_data():
+    from lbt.data import build_synthetic
+    from lbt.plan import data_shape
+
+    node = {"_target_": "lbt.data.build_synthetic", "num_train": 300, "input_shape": [3, 8, 8], "num_classes": 7,
+            "val_fraction": 0.25}
+    built = build_synthetic(**{k: v for k, v in node.items() if k != "_target_"})
+    assert data_shape(node) == (tuple(built.input_shape), built.num_classes, len(built.train))
+
+
+def test_plan_profiles_a_model_on_the_data_it_names(tmp_path, capsys):
+    assert plan_main(["model=resnet20", "data=cifar10", "per_worker_batch=4", "repeats=2", "max_workers=2",
+                      f"out={tmp_path / 'r.png'}"]) == 0
+    assert "input (3, 32, 32)" in capsys.readouterr().out
+    # ResNet-20 on MNIST-1D's 1-D samples: one line, not a traceback
+    assert plan_main(["model=resnet20", "per_worker_batch=4", f"out={tmp_path / 's.png'}"]) == 2
+    assert "resnet20 cannot take inputs of shape (40,)" in capsys.readouterr().err

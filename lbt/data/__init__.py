@@ -1,12 +1,13 @@
 """Dataset builders: each returns DataSplits (train, val, test, num_classes, input_shape)."""
 
-from lbt.data.base import DataSplits, InMemoryDataset, split_validation
+from lbt.data.base import DataShape, DataSplits, InMemoryDataset, split_validation
 from lbt.data.cifar import build_cifar10
 from lbt.data.imagefolder import build_imagefolder
 from lbt.data.mnist1d import build_mnist1d
 from lbt.data.synthetic import build_synthetic
 
 __all__ = [
+    "DataShape",
     "DataSplits",
     "InMemoryDataset",
     "split_validation",

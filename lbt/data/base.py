@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch.utils.data import Dataset, Subset
@@ -29,6 +30,19 @@ class InMemoryDataset(Dataset):
 
     def __getitem__(self, index: int):
         return self.x[index], self.y[index]
+
+
+class DataShape(NamedTuple):
+    """What a dataset looks like without loading it (every builder returns this with shape_only=True)."""
+
+    input_shape: tuple[int, ...]
+    num_classes: int | None  # None: not known without reading the data (an image folder's classes)
+    num_train: int | None  # training samples per epoch, after any validation split
+
+
+def train_size(n: int, val_fraction: float) -> int:
+    """Training samples left after holding out the validation split (as split_validation does)."""
+    return n - round(n * val_fraction)
 
 
 @dataclass
@@ -73,7 +87,7 @@ def split_validation(
         return DataSplits(train, val=test, test=None, num_classes=num_classes, input_shape=input_shape)
 
     n = len(train)
-    n_val = round(n * val_fraction)
+    n_val = n - train_size(n, val_fraction)
     if not 0 < n_val < n:
         raise ConfigError(
             f"data.val_fraction={val_fraction} of {n} training samples leaves {n_val} for validation "

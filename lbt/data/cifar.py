@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lbt.data.base import DataSplits, split_validation
+from lbt.data.base import DataShape, DataSplits, split_validation, train_size
 from lbt.errors import ConfigError
 
 # Per-channel mean and standard deviation of the CIFAR-10 training images.
@@ -12,7 +12,8 @@ CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 
 
-def build_cifar10(root: str, val_fraction: float = 0.0, val_seed: int = 0, augment: bool = True) -> DataSplits:
+def build_cifar10(root: str, val_fraction: float = 0.0, val_seed: int = 0, augment: bool = True,
+                  shape_only: bool = False) -> DataSplits | DataShape:
     """CIFAR-10 from `root/cifar-10-batches-py/`, normalized per channel.
 
     With `augment`, training images get the standard random 32x32 crop of the
@@ -20,6 +21,8 @@ def build_cifar10(root: str, val_fraction: float = 0.0, val_seed: int = 0, augme
     Returns torchvision datasets: the transforms run per sample, so the
     trainer needs a DataLoader for them.
     """
+    if shape_only:
+        return DataShape((3, 32, 32), 10, train_size(50_000, val_fraction))
     # Imported here: torchvision takes ~2 s to import, which runs that never
     # touch images (MNIST-1D, synthetic) should not pay in every process.
     from torchvision import datasets, transforms

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lbt.data.base import DataSplits, split_validation
+from lbt.data.base import DataShape, DataSplits, split_validation
 from lbt.errors import ConfigError
 
 # ImageNet statistics: the usual choice for natural photos of unknown origin.
@@ -13,8 +13,9 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 def build_imagefolder(
-    root: str, image_size: int = 224, val_fraction: float = 0.0, val_seed: int = 0, augment: bool = True
-) -> DataSplits:
+    root: str, image_size: int = 224, val_fraction: float = 0.0, val_seed: int = 0, augment: bool = True,
+    shape_only: bool = False,
+) -> DataSplits | DataShape:
     """ImageFolder datasets with the standard ImageNet-style transforms.
 
     Training: random resized crop and horizontal flip (with `augment`).
@@ -22,6 +23,8 @@ def build_imagefolder(
     Without `root/val`, there is no test split and the validation split must
     be carved from the training set with `val_fraction`.
     """
+    if shape_only:  # the classes and images are only known by reading the folder
+        return DataShape((3, image_size, image_size), None, None)
     # Imported here: torchvision takes ~2 s to import, which runs that never
     # touch images (MNIST-1D, synthetic) should not pay in every process.
     from torchvision import datasets, transforms

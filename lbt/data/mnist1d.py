@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lbt.data.base import DataSplits, InMemoryDataset, split_validation
+from lbt.data.base import DataShape, DataSplits, InMemoryDataset, split_validation, train_size
 from lbt.errors import ConfigError
 from lbt.paths import atomic_write
 
@@ -25,8 +25,9 @@ def build_mnist1d(
     val_fraction: float = 0.0,
     val_seed: int = 0,
     progress: bool = True,
+    shape_only: bool = False,
     **generator_overrides,
-) -> DataSplits:
+) -> DataSplits | DataShape:
     """MNIST-1D: float32 inputs of shape (N, 40), int64 labels, 10 classes.
 
     The defaults give 60,000 train / 10,000 test samples, like MNIST. Extra
@@ -34,6 +35,8 @@ def build_mnist1d(
     `shuffle_seq=True`). Generating 70,000 samples takes ~40 s, so the arrays
     are generated once and cached under `data_dir`.
     """
+    if shape_only:  # mnist1d's make_dataset keeps int(train_split * N) samples for training
+        return DataShape((40,), 10, train_size(int(num_samples * train_split), val_fraction))
     overrides = dict(generator_overrides)
     path = _cache_path(data_dir, num_samples=int(num_samples), train_split=float(train_split), seed=int(seed), **overrides)
     if not path.exists():

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from lbt.data.base import DataSplits, InMemoryDataset, split_validation
+from lbt.data.base import DataShape, DataSplits, InMemoryDataset, split_validation, train_size
 from lbt.errors import ConfigError
 
 # A dataset for tests and quick checks: bigger requests are mistakes.
@@ -21,7 +21,8 @@ def build_synthetic(
     seed: int = 0,
     val_fraction: float = 0.0,
     val_seed: int = 0,
-) -> DataSplits:
+    shape_only: bool = False,
+) -> DataSplits | DataShape:
     """Gaussian inputs labelled by a fixed random linear teacher.
 
     The label is the argmax of teacher logits, so a linear model can fit the
@@ -37,6 +38,8 @@ def build_synthetic(
             or math.prod(input_shape) > 1_000_000:
         raise ConfigError(f"data.input_shape must be positive integers (at most 1M values), got {input_shape!r}")
     input_shape = tuple(int(s) for s in input_shape)
+    if shape_only:
+        return DataShape(input_shape, num_classes, train_size(num_train, val_fraction))
     gen = torch.Generator().manual_seed(seed)
     teacher = torch.randn(math.prod(input_shape), num_classes, generator=gen)
 
