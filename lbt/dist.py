@@ -38,10 +38,6 @@ class DistContext:
     device: torch.device
 
     @property
-    def workers_per_proc(self) -> int:
-        return self.world_size // self.procs
-
-    @property
     def is_main(self) -> bool:
         return self.rank == 0
 

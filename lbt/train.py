@@ -247,7 +247,7 @@ def _finish(config: dict, parts: Parts, result: Result, run_dir: str, logger: Ru
     logger.hparams(
         {"world_size": plan.world_size, "per_worker_batch": plan.per_worker_batch,
          "global_batch": plan.global_batch, "recipe": config["recipe"], "lr": base_lr, "peak_lr": peak_lr,
-         "seed": config["trainer"]["seed"]},
+         "peak_lr_samples": peak_samples, "seed": config["trainer"]["seed"]},
         {"hparam/final_val_acc": result.final_val_acc, "hparam/best_val_acc": result.best_val_acc},
     )
     atomic_write(Path(run_dir) / "final_model.pt", lambda f: torch.save(parts.model.state_dict(), f))

@@ -31,7 +31,8 @@ def test_tensorboard_and_result_json(tmp_path):
     # TensorBoard's HParams table: one row with the run's settings and its accuracy
     hparams = events.PluginTagToContent("hparams")
     start = plugin_data_pb2.HParamsPluginData.FromString(hparams["_hparams_/session_start_info"]).session_start_info
-    assert set(start.hparams) == {"world_size", "per_worker_batch", "global_batch", "recipe", "lr", "peak_lr", "seed"}
+    assert set(start.hparams) == {"world_size", "per_worker_batch", "global_batch", "recipe", "lr", "peak_lr",
+                                  "peak_lr_samples", "seed"}
     assert start.hparams["global_batch"].number_value == 64 and start.hparams["recipe"].string_value == "baseline"
     assert events.Scalars("hparam/final_val_acc")[-1].value == pytest.approx(result["final_val_acc"])
 

@@ -245,10 +245,11 @@ def test_sync_bn_converts_batchnorm_when_the_run_is_on_cuda(monkeypatch):
 
 
 def test_clip_coefficient_by_hand():
-    assert clip_coefficient(2.0, 1.0) == pytest.approx(1.0 / 2.000001, rel=1e-12)
-    assert clip_coefficient(10.0, 5.0) == pytest.approx(0.5, rel=1e-6)
-    assert clip_coefficient(0.5, 1.0) == 1.0
-    assert clip_coefficient(0.0, 1.0) == 1.0
+    assert clip_coefficient(torch.tensor(2.0, dtype=torch.float64), 1.0).item() == pytest.approx(1.0 / 2.000001,
+                                                                                                 rel=1e-12)
+    assert clip_coefficient(10.0, 5.0).item() == pytest.approx(0.5, rel=1e-6)
+    assert clip_coefficient(0.5, 1.0).item() == 1.0
+    assert clip_coefficient(0.0, 1.0).item() == 1.0
 
 
 def _progress() -> Progress:
@@ -269,6 +270,15 @@ def test_grad_clip_scales_gradients_as_clip_coefficient_says(max_norm):
     for p, g in zip(model.parameters(), grads):
         torch.testing.assert_close(p.grad, g * coefficient)
     assert technique.last_norm.item() == pytest.approx(total, rel=1e-5)
+    # the same gradients as torch's own clipping
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=False)
+    clipped = [p.grad.clone() for p in model.parameters()]
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g.clone()
+    technique.after_backward(model, _progress())
+    assert all(torch.equal(p.grad, c) for p, c in zip(model.parameters(), clipped))
     with pytest.raises(ConfigError, match="positive"):
         GradClip(max_norm=0)
 

@@ -8,6 +8,7 @@ import torch
 
 from lbt.data.base import DataShape, DataSplits, InMemoryDataset, split_validation, train_size
 from lbt.errors import ConfigError
+from lbt.validate import integer
 
 # A dataset for tests and quick checks: bigger requests are mistakes.
 MAX_SAMPLES = 1_000_000
@@ -32,8 +33,7 @@ def build_synthetic(
     """
     for key, value, limit in (("num_train", num_train, MAX_SAMPLES), ("num_test", num_test, MAX_SAMPLES),
                               ("num_classes", num_classes, 100_000)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
-            raise ConfigError(f"data.{key} must be an integer from 1 to {limit:,}, got {value!r}")
+        integer(f"data.{key}", value, 1, limit)
     if not input_shape or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in input_shape) \
             or math.prod(input_shape) > 1_000_000:
         raise ConfigError(f"data.input_shape must be positive integers (at most 1M values), got {input_shape!r}")
