@@ -29,6 +29,8 @@ from lbt.errors import ConfigError
 from lbt.paths import atomic_write
 
 LATEST = "latest.json"
+# Bumped when what a checkpoint holds changes; 2: loop state as LoopState, technique state per rank.
+FORMAT = 2
 
 
 def numpy_rng_state(state: tuple) -> list:
@@ -75,7 +77,7 @@ class Checkpointer:
         if self.procs > 1:
             dist.barrier()  # every rank's file is on disk before latest.json points at it
         if self.rank == 0:
-            meta = {"step": step, "folder": folder.name, "procs": self.procs}
+            meta = {"step": step, "folder": folder.name, "procs": self.procs, "format": FORMAT}
             atomic_write(self.root / LATEST, lambda f: f.write(json.dumps(meta).encode()))
             for old in self.root.glob("step_*"):
                 if old != folder:
@@ -92,6 +94,11 @@ class Checkpointer:
             if self.rank == 0:
                 print(f"lbt: note: no checkpoint in {self.root}; starting from scratch", file=sys.stderr, flush=True)
             return None
+        if meta.get("format", 1) != FORMAT:
+            raise ConfigError(
+                f"the checkpoint in {self.root} is in format {meta.get('format', 1)} of an older lbt, which this "
+                f"one (format {FORMAT}) cannot continue; start a new run folder"
+            )
         if meta["procs"] != self.procs:
             raise ConfigError(
                 f"the checkpoint in {self.root} was written by {meta['procs']} processes; "

@@ -81,9 +81,13 @@ def check_layout(config: dict, env: dict | None) -> int:
 
 
 def build(node: dict, where: str, **kwargs):
-    """hydra.utils.instantiate; a constructor rejecting its config values is a ConfigError naming `where`."""
+    """hydra.utils.instantiate; a constructor rejecting its config values is a ConfigError naming `where`.
+
+    _convert_="all": objects get plain lists and dicts, never omegaconf containers (a ListConfig in
+    an optimizer's state_dict would make its checkpoint unreadable with weights_only=True).
+    """
     try:
-        return instantiate(node, **kwargs)
+        return instantiate(node, _convert_="all", **kwargs)
     except InstantiationException as error:
         cause = error.__cause__
         if isinstance(cause, ConfigError):

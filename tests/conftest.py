@@ -11,11 +11,11 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hypothesis import settings
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
 
 from lbt.cli import register_schemas
 from lbt.paths import conf_dir
-from lbt.train import run
+from lbt.train import build, run
 
 register_schemas()  # as `lbt` does before composing a config
 
@@ -46,7 +46,23 @@ def train(run_dir: Path, overrides: list[str]) -> dict:
 
 
 def final_params(run_dir: Path) -> torch.Tensor:
-    state = torch.load(Path(run_dir) / "final_model.pt", weights_only=True)
+    return flat_params(torch.load(Path(run_dir) / "final_model.pt", weights_only=True))
+
+
+def initial_params(overrides: list[str]) -> torch.Tensor:
+    """The parameters a run with these overrides starts from, built as lbt.train builds them
+    (seed, then the model for the data's input shape and classes; no technique changes the model)."""
+    cfg, _ = compose_config(FAST + overrides)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    data = build(config["data"], "data")
+    with torch.random.fork_rng():
+        torch.manual_seed(config["trainer"]["seed"])
+        model = build(config["model"], "model", input_shape=tuple(data.input_shape), num_classes=data.num_classes)
+    return flat_params(model.state_dict())
+
+
+def flat_params(state: dict) -> torch.Tensor:
+    """Every floating-point tensor of a state_dict, in key order, as one float64 vector."""
     return torch.cat([v.flatten().double() for k, v in sorted(state.items()) if v.is_floating_point()])
 
 

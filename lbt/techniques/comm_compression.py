@@ -14,6 +14,18 @@ gloo on CPU (torch 2.14.1, 2 processes, DDP on a small MLP, 3 steps,
 tests/test_techniques_model.py pins it): fp16, bf16 and powersgd all work;
 fp16/bf16 give the fp32 mean rounded to 16 bits. (torch's
 batched_powerSGD_hook fails there with an AssertionError; lbt does not offer it.)
+powersgd on gloo works only while DDP has one gradient bucket (under ~1 MB of
+gradients): with several, the ranks' collectives mismatch ("Received data size
+doesn't match expected size") or hang, in plain torch DDP too.
+
+PowerSGD keeps state between steps: each rank's error feedback (what its
+compressed gradients left out, its own), the warm-start P and Q, the step count
+and the RNG drawing fresh Qs, all per DDP gradient bucket. Checkpoints keep it
+in every rank's own file, with each bucket's parameters. A fresh DDP wrapper
+reduces all gradients as one bucket in its first step and rebuilds its buckets
+in backward order afterwards (torch 2.14, find_unused_parameters=False), so the
+first step of a resumed run reduces the gradients through stand-in buckets
+laid out as the checkpointed ones; later steps already are.
 """
 
 from __future__ import annotations
@@ -21,11 +33,13 @@ from __future__ import annotations
 import math
 from functools import partial
 
+import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-from lbt.errors import ConfigError
+from lbt.checkpoint import numpy_rng_state, numpy_rng_tuple
 from lbt.techniques.base import CommHook, Technique
+from lbt.validate import integer, one_of
 
 KINDS = ("fp16", "bf16", "powersgd")
 FP32_BYTES = 4
@@ -62,24 +76,24 @@ class CommCompression(Technique):
     order = 50
 
     def __init__(self, kind: str = "fp16", powersgd_rank: int = 1, start_powersgd_iter: int = 2):
-        if kind not in KINDS:
-            raise ConfigError(f"technique.comm_compression.kind must be one of {', '.join(KINDS)}, got {kind!r}")
-        if not isinstance(powersgd_rank, int) or powersgd_rank < 1:
-            raise ConfigError(
-                f"technique.comm_compression.powersgd_rank must be a positive integer, got {powersgd_rank!r}"
-            )
+        one_of("technique.comm_compression.kind", kind, KINDS)
+        integer("technique.comm_compression.powersgd_rank", powersgd_rank)
         # torch's PowerSGDState refuses < 2 with error feedback / warm start (its defaults).
-        if not isinstance(start_powersgd_iter, int) or start_powersgd_iter < 2:
-            raise ConfigError(
-                f"technique.comm_compression.start_powersgd_iter must be an integer >= 2, got {start_powersgd_iter!r}"
-            )
+        integer("technique.comm_compression.start_powersgd_iter", start_powersgd_iter, 2)
         self.kind, self.powersgd_rank, self.start_powersgd_iter = kind, powersgd_rank, start_powersgd_iter
         self.bytes_ratio: float | None = None  # fp32 bytes / compressed bytes per step, once registered
+        self.powersgd_state: powerSGD_hook.PowerSGDState | None = None  # created with the hook
+        self.device: torch.device | None = None  # of the gradients, where the state's tensors live
+        self.param_index: dict[int, int] = {}  # id of a parameter -> its index among the model's parameters
+        self.layouts: dict[int, list[int]] = {}  # DDP bucket index -> its parameters' indices, in order
+        self.resumed_layouts: dict[int, list[int]] | None = None  # the checkpoint's, until DDP's buckets match
 
     def comm_hook(self, inner: CommHook, ddp_model: nn.Module) -> CommHook:
         # Replaces the allreduce: the compressed hooks reduce the bucket themselves.
         # Called only with real processes (with one, nothing is allreduced).
-        shapes = [tuple(p.shape) for p in ddp_model.module.parameters() if p.requires_grad]
+        params = [p for p in ddp_model.module.parameters() if p.requires_grad]
+        shapes = [tuple(p.shape) for p in params]
+        self.device = params[0].device if params else None
         sent = sum(compressed_bytes(s, self.kind, self.powersgd_rank) for s in shapes)
         self.bytes_ratio = sum(compressed_bytes(s, "none") for s in shapes) / max(sent, 1)
         # Process group None: the default one, as for lbt's plain allreduce.
@@ -87,11 +101,72 @@ class CommCompression(Technique):
             return partial(default_hooks.fp16_compress_hook, None)
         if self.kind == "bf16":
             return partial(default_hooks.bf16_compress_hook, None)
-        state = powerSGD_hook.PowerSGDState(
+        self.powersgd_state = powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=self.powersgd_rank,
             start_powerSGD_iter=self.start_powersgd_iter,
         )
-        return partial(powerSGD_hook.powerSGD_hook, state)
+        self.param_index = {id(p): i for i, p in enumerate(params)}
+        return self._powersgd
+
+    def _powersgd(self, bucket) -> torch.futures.Future:
+        layout = [self.param_index[id(p)] for p in bucket.parameters()]
+        if self.resumed_layouts is not None:
+            if self.resumed_layouts.get(bucket.index()) != layout:
+                return self._powersgd_as_checkpointed(bucket, layout)
+            self.resumed_layouts = None  # DDP's buckets are the checkpointed ones now
+        self.layouts[bucket.index()] = layout
+        return powerSGD_hook.powerSGD_hook(self.powersgd_state, bucket)
+
+    def _powersgd_as_checkpointed(self, bucket, layout: list[int]) -> torch.futures.Future:
+        """The first step after a resume: reduce `bucket` (every gradient, as DDP's first step
+        has it) as the buckets whose PowerSGD state the checkpoint holds, one after another."""
+        saved = self.resumed_layouts
+        if sorted(layout) != sorted(i for indices in saved.values() for i in indices):
+            raise RuntimeError(f"PowerSGD resume: DDP bucket {bucket.index()} holds parameters {layout}, "
+                               f"the checkpoint's buckets {saved}")
+        grads = dict(zip(layout, bucket.gradients()))
+        for index in sorted(saved):
+            stand_in = _Bucket(index, index == max(saved), [grads[i] for i in saved[index]])
+            reduced = powerSGD_hook.powerSGD_hook(self.powersgd_state, stand_in).wait()
+            for i, grad in zip(saved[index], stand_in.views(reduced)):
+                grads[i].copy_(grad)
+            self.layouts[index] = saved[index]
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
+    def state_dict(self) -> dict:
+        """This rank's PowerSGD state, as copies (the hook updates its tensors in place) and plain values."""
+        state = self.powersgd_state
+        if state is None:  # fp16/bf16 keep nothing; one process has no hook
+            return {}
+        return {
+            "iter": state.iter,
+            "error": _copies(state.error_dict),
+            "p_memory": _copies(state.p_memory_dict),
+            "q_memory": _copies(state.q_memory_dict),
+            "rng": numpy_rng_state(state.rng.get_state()),
+            "numel_before": state.total_numel_before_compression,
+            "numel_after": state.total_numel_after_compression,
+            "next_stats_report": state.next_stats_report,
+            "layouts": {index: list(layout) for index, layout in self.layouts.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        # The trainer registers the hook (creating the state) before it loads a checkpoint;
+        # without a PowerSGD hook (fp16/bf16 now) there is nothing to restore.
+        target = self.powersgd_state
+        if not state or target is None:
+            return
+        target.iter = state["iter"]
+        target.error_dict = _copies(state["error"], self.device)
+        target.p_memory_dict = _copies(state["p_memory"], self.device)
+        target.q_memory_dict = _copies(state["q_memory"], self.device)
+        target.rng.set_state(numpy_rng_tuple(state["rng"]))
+        target.total_numel_before_compression = state["numel_before"]
+        target.total_numel_after_compression = state["numel_after"]
+        target.next_stats_report = state["next_stats_report"]
+        self.resumed_layouts = dict(state["layouts"]) or None
 
     def describe(self) -> str:
         what = self.kind
@@ -99,3 +174,33 @@ class CommCompression(Technique):
             what = f"PowerSGD rank {self.powersgd_rank} after {self.start_powersgd_iter} steps"
         ratio = "" if self.bytes_ratio is None else f", {self.bytes_ratio:.1f}x fewer bytes"
         return f"allreduce compressed with {what}{ratio}"
+
+
+def _copies(tensors: dict[int, torch.Tensor], device: torch.device | None = None) -> dict[int, torch.Tensor]:
+    return {index: t.detach().to(device, copy=True) for index, t in tensors.items()}
+
+
+class _Bucket:
+    """A stand-in for DDP's GradBucket holding copies of `grads`: what torch's PowerSGD hook reads."""
+
+    def __init__(self, index: int, last: bool, grads: list[torch.Tensor]):
+        self._index, self._last = index, last
+        self._shapes = [g.shape for g in grads]
+        self._buffer = torch.cat([g.reshape(-1) for g in grads])
+        self._gradients = self.views(self._buffer)
+
+    def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        sizes = [math.prod(shape) for shape in self._shapes]
+        return [part.view(shape) for part, shape in zip(buffer.split(sizes), self._shapes)]
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._last
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._gradients

@@ -1,0 +1,195 @@
+"""Every recipe and every stateful technique resumes exactly.
+
+For each case: one run trained straight through; one run stopped in the middle
+of an epoch by a real SIGTERM (sent by a test-only technique at a chosen step,
+the signal SLURM sends on preemption) and continued with trainer.resume=auto in
+the same run folder. Both must end with bitwise equal parameters and the same
+steps, validation history and losses. Runs are in-process (tiny data, a few
+epochs), except PowerSGD, whose per-rank error feedback needs real processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import train
+from lbt.paths import conf_dir
+from lbt.techniques import Technique
+
+# The recipe group, globbed so a new recipe joins the matrix.
+RECIPES = sorted(path.stem for path in (conf_dir() / "recipe").glob("*.yaml"))
+
+# 768 samples / global batch 64 = 12 steps per epoch, 3 epochs; two simulated
+# workers (per-worker BN chunks, and a small batch for GNS to compare with).
+RUN = ["model=cnn1d", "model.channels=16", "data.num_train=768", "trainer.epochs=3", "trainer.global_batch=64",
+       "dist.world_size=2", "trainer.log_every=2", "trainer.checkpoint_every=0"]
+STOP_AT = 16  # SIGTERM during step 17 (epoch 2); the loop stops at the next log step, 18
+# Technique cases: overrides and the step that gets the SIGTERM.
+TECHNIQUES = {
+    "lars": (["optim=lars"], STOP_AT),
+    "lamb": (["optim=lamb"], STOP_AT),
+    # Milestones inside the run: epochs of 12, 6 and 3 steps at batch 64, 128, 256;
+    # stopped at step 16, in the ramped second epoch.
+    "batch_ramp": (["technique=[batch_ramp]", "technique.batch_ramp.milestones=[1,2]"], 14),
+    "bn_epoch_average": (["technique=[bn_epoch_average]"], STOP_AT),
+    "gns": (["measure=[gns]"], STOP_AT),
+    # Two real processes: each rank's error feedback is its own.
+    "powersgd": (["technique=[comm_compression]", "technique.comm_compression.kind=powersgd", "dist.procs=2"],
+                 STOP_AT),
+}
+CASES = {f"recipe={name}": ([f"recipe={name}"], STOP_AT) for name in RECIPES} | TECHNIQUES
+COMPARED = ("steps", "samples_seen", "val_history", "final_train_loss", "final_val_loss", "final_val_acc",
+            "best_val_acc", "test_loss", "test_acc", "technique_metrics")
+
+
+class SigtermAt(Technique):
+    """Test-only: rank 0 sends itself SIGTERM once, during the optimizer step `step` (counted from 0)."""
+
+    name = "sigterm"
+
+    def __init__(self, step: int):
+        self.step, self.sent = step, False
+
+    def after_backward(self, model, progress) -> None:
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        if progress.step == self.step and rank0 and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def sigterm_at(step: int) -> list[str]:
+    # Importable by name in spawned workers too: they inherit the test process's sys.path.
+    return [f"+technique.sigterm._target_={__name__}.SigtermAt", f"+technique.sigterm.step={step}"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_stopped_by_sigterm_mid_epoch_then_resumed_equals_straight_run(case, tmp_path, capfd):
+    overrides, stop_at = CASES[case]
+    args = RUN + overrides
+    straight = train(tmp_path / "straight", args)
+    assert not straight["diverged"] and straight["steps"] > stop_at + 2
+
+    stopped_args = args + sigterm_at(stop_at)
+    stopped = train(tmp_path / "run", stopped_args)
+    out = capfd.readouterr().out
+    assert stopped["stopped"] and "stopped at step" in out
+    assert not (tmp_path / "run" / "result.json").exists()
+    meta = json.loads((tmp_path / "run" / "checkpoint" / "latest.json").read_text())
+    # Really mid-epoch: after the signal, at no epoch's end (epochs differ in length under a batch ramp).
+    assert meta["step"] > stop_at and meta["step"] not in [h["step"] for h in straight["val_history"]]
+
+    resumed = train(tmp_path / "run", stopped_args + ["trainer.resume=auto"])
+    assert f"resumed from step {meta['step']} " in capfd.readouterr().out  # from the checkpoint, not from scratch
+    a = torch.load(tmp_path / "straight" / "final_model.pt", weights_only=True)
+    b = torch.load(tmp_path / "run" / "final_model.pt", weights_only=True)
+    assert a.keys() == b.keys()
+    assert not [k for k in a if not torch.equal(a[k], b[k])], "tensors differ after resume"
+    for key in COMPARED:
+        assert resumed[key] == straight[key], key
+
+
+def test_powersgd_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
+    """Each rank's error feedback, warm-start P/Q, step count and numpy RNG: saved as copies, loaded back."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+    from lbt.techniques.comm_compression import CommCompression
+
+    def with_state() -> CommCompression:
+        technique = CommCompression("powersgd")
+        technique.comm_hook(None, SimpleNamespace(module=torch.nn.Linear(8, 4)))  # DDP: only .module is read
+        return technique
+
+    saved = with_state()
+    state = saved.powersgd_state
+    assert isinstance(state, PowerSGDState)
+    state.iter, state.total_numel_before_compression = 7, 123
+    state.error_dict[0] = torch.randn(5)
+    state.p_memory_dict[0], state.q_memory_dict[0] = torch.randn(3), torch.randn(4)
+    state.rng.randint(1000, size=10)  # move the RNG away from its seed
+    saved.layouts = {0: [1, 0]}  # the bucket's parameters, last one first
+    torch.save(saved.state_dict(), tmp_path / "state.pt")
+    live = (state.error_dict[0], state.p_memory_dict[0], state.q_memory_dict[0])
+    expected = [t.clone() for t in live]
+    for t in live:
+        t.add_(1.0)  # live tensors change after the save (the hook updates P and Q in place)
+    next_draw = state.rng.randint(1_000_000_000)
+
+    loaded = with_state()
+    loaded.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    other = loaded.powersgd_state
+    assert other.iter == 7 and other.total_numel_before_compression == 123
+    for t, e in zip((other.error_dict[0], other.p_memory_dict[0], other.q_memory_dict[0]), expected):
+        assert torch.equal(t, e)
+    assert other.rng.randint(1_000_000_000) == next_draw
+    assert loaded.resumed_layouts == {0: [1, 0]}
+    assert CommCompression("fp16").state_dict() == {}  # nothing to keep without PowerSGD
+
+
+def test_first_powersgd_step_after_resume_reduces_as_the_checkpointed_buckets(tmp_path):
+    """A fresh DDP reduces every gradient as one bucket in its first step, then rebuilds its buckets
+    (here into two); the resumed run's first step must still use the state of the checkpointed buckets.
+    Hook calls on stand-in buckets in one gloo process: the allreduce is the identity, the compression not."""
+    from lbt.techniques.comm_compression import CommCompression, _Bucket
+
+    class Bucket(_Bucket):  # as DDP's: also names its parameters
+        def __init__(self, index, last, grads, params):
+            super().__init__(index, last, grads)
+            self._params = params
+
+        def parameters(self):
+            return self._params
+
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 5))
+    params = list(model.parameters())
+    generator = torch.Generator().manual_seed(0)
+    grads = [[torch.randn(p.shape, generator=generator) for p in params] for _ in range(6)]
+    first, rebuilt = {0: [0, 1, 2, 3]}, {0: [3, 2], 1: [1, 0]}
+
+    def reduce(hook, number: int) -> list[torch.Tensor]:
+        """Step `number`'s gradients through the hook, bucket by bucket as DDP lays them out then."""
+        layouts, reduced = (first if number in (0, resumed_at) else rebuilt), {}
+        for index, layout in layouts.items():
+            bucket = Bucket(index, index == max(layouts), [grads[number][i].clone() for i in layout],
+                            [params[i] for i in layout])
+            reduced.update(zip(layout, bucket.views(hook(bucket).wait())))
+        return [reduced[i] for i in range(len(params))]
+
+    def hooked():
+        technique = CommCompression("powersgd")
+        return technique, technique.comm_hook(None, SimpleNamespace(module=model))
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        resumed_at = None
+        _, hook = hooked()
+        expected = [reduce(hook, n) for n in range(6)]
+        stopped, hook = hooked()
+        for n in range(3):  # PowerSGD compresses from step 2 on
+            reduce(hook, n)
+        torch.save(stopped.state_dict(), tmp_path / "state.pt")
+        resumed, hook = hooked()
+        resumed.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+        resumed_at = 3
+        for n in range(3, 6):
+            assert all(torch.equal(a, b) for a, b in zip(reduce(hook, n), expected[n])), n
+        assert not torch.equal(expected[3][2], grads[3][2])  # the (5, 8) weight went through compression
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_checkpoint_of_an_older_format_is_a_one_line_error(tmp_path):
+    from lbt.checkpoint import Checkpointer
+    from lbt.errors import ConfigError
+
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "latest.json").write_text(json.dumps({"step": 8, "folder": "step_8", "procs": 1}))
+    with pytest.raises(ConfigError, match="format 1 of an older lbt"):
+        Checkpointer(tmp_path, 0, 1).load_latest()
