@@ -193,7 +193,8 @@ class Trainer:
             log_now = self.window.should_log(s.step, last_of_epoch=s.step_in_epoch == steps - 1)
             loss, correct = self.train_step(inputs, labels, plan, count_correct=log_now and bar is not None)
             self.timer.end_step()
-            s.step, s.step_in_epoch, s.samples_seen = s.step + 1, s.step_in_epoch + 1, s.samples_seen + plan.global_batch
+            s.step, s.step_in_epoch = s.step + 1, s.step_in_epoch + 1
+            s.samples_seen += plan.global_batch
             self.window.add(loss)
             if log_now and self.log_window(plan, lr, correct, bar, steps):
                 break

@@ -14,7 +14,8 @@ from lbt.errors import ConfigError
 
 def integer(key: str, value, minimum: int = 1, maximum: int | None = None) -> int:
     """An int (not a bool) in [minimum, maximum]; the default is a positive integer."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (maximum is not None and value > maximum):
+    in_range = minimum <= value and (maximum is None or value <= maximum) if isinstance(value, int) else False
+    if isinstance(value, bool) or not in_range:
         if maximum is not None:
             wanted = f"an integer from {minimum:,} to {maximum:,}"
         else:
