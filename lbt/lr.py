@@ -130,6 +130,7 @@ def build_schedule(cfg: Mapping, base_lr: float, global_batch: int, budget: Budg
         if plan.lr_factor != previous:
             drops.append((budget.samples_at(epoch), plan.lr_factor / previous))
             previous = plan.lr_factor
+    drops = [(at, multiplier) for at, multiplier in drops if at < budget.total_samples]  # none after the last step
     early = [at for at, _ in drops if at < warmup_samples]
     if early:
         raise ConfigError(f"schedule: the LR would drop at sample {min(early):,}, before warmup ends at "
@@ -147,5 +148,6 @@ def describe(s: Schedule, budget: Budget) -> str:
         start = min(s.base_lr, top) if s.warmup_start is None else s.warmup_start * top
         parts.append(f"{s.warmup_mode} warmup from {start:g}")
     decay = s.decay if s.decay in ("constant", "step") else f"{s.decay} decay to {s.final_factor:g} x peak"
-    parts.append(decay + (f", {len(s.drops)} LR drops" if s.drops else ""))
+    drops = len(s.drops)
+    parts.append(decay + (f", {drops} LR drop{'s' if drops > 1 else ''}" if drops else ""))
     return f"lr: peak {top:g} at sample {at:,} (step {budget.step_boundary(at)[0]}) = {'; '.join(parts)}"
