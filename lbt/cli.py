@@ -221,7 +221,8 @@ def report_command(args: list[str]) -> None:
 
     parser = argparse.ArgumentParser(prog="lbt report", description="Report of a study (multirun) folder.")
     parser.add_argument("study_dir")
-    parser.add_argument("--target", type=float, default=0.95, help="accuracy for steps-to-target (default 0.95)")
+    parser.add_argument("--target", type=float, default=None,
+                        help="accuracy for steps-to-target (default: the base batch's final accuracy minus 1 point)")
     options = parser.parse_args(args)
     if not os.path.isdir(options.study_dir):
         fail(f"no such study folder: {options.study_dir}")

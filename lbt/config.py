@@ -40,6 +40,7 @@ class TrainerConfig:
     seed: int = 0
     progress: bool = True
     log_every: int = 10
+    evals: int = 20
     device: str = "auto"
     threads: Optional[int] = None
     checkpoint_every: int = 1
@@ -67,6 +68,7 @@ def check_trainer(cfg: dict) -> None:
     """Range checks of the trainer node that the schema's types cannot express."""
     integer("trainer.epochs", cfg["epochs"], 1, MAX_EPOCHS)
     integer("trainer.log_every", cfg["log_every"])
+    integer("trainer.evals", cfg["evals"], 0, 10_000)
     integer("trainer.checkpoint_every", cfg["checkpoint_every"], 0)
     one_of("trainer.resume", cfg["resume"], (None, "auto"))
     one_of("trainer.device", cfg["device"], ("auto", "cpu", "cuda"))

@@ -343,7 +343,8 @@ def critical_batch_from_study(study_dir: str | Path) -> float:
     path = Path(study_dir) / "summary.json"
     if not path.exists():
         raise ValueError(f"{path} not found: run `lbt report {study_dir}` first")
-    value = json.loads(path.read_text()).get("critical_batch")
+    crit = json.loads(path.read_text()).get("critical_batch") or {}
+    value = crit.get("fit") or crit.get("gns")  # the steps-to-target fit where it could be made
     if value is None or not math.isfinite(float(value)):
         raise ValueError(f"{path} holds no critical_batch estimate (run the study with measure=[gns])")
     return float(value)

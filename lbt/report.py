@@ -1,10 +1,15 @@
 """`lbt report DIR`: a study (Hydra multirun folder) -> table, curves, TensorBoard summary.
 
-Reads every job's result.json under DIR and writes into DIR:
-report.md, accuracy_vs_batch.png, steps_to_target.png, summary.json and
-tb_summary/ (scalars whose step axis is the global batch, plus an HParams table).
-Jobs that share recipe and global batch (several seeds) are averaged, with
-their standard deviation.
+Reads every job's result.json under DIR and writes into DIR: report.md,
+accuracy_vs_batch.png, steps_to_target.png (with the fitted critical-batch
+curve), gns_over_training.png, summary.json and tb_summary/ (scalars whose
+step axis is the global batch, plus an HParams table). Jobs that share recipe
+and global batch (several seeds) are averaged, with their standard deviation.
+
+Every number is named after the split it was measured on: `val` is held out
+of the training set and is what runs select on (best, steps-to-target);
+`test` is scored once per run, at the end. A study whose runs have no
+validation split evaluated test during training, and its columns say test.
 """
 
 from __future__ import annotations
@@ -13,10 +18,16 @@ import json
 import math
 import os
 import statistics
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from lbt.critical import bootstrap_fit, crossing_step, gns_summary
+
 SUMMARY_DIR = "tb_summary"
+# The default target: the base batch's final accuracy (on the selection split) minus this margin.
+TARGET_MARGIN = 0.01
+GNS_WINDOW = 0.2  # B_simple is summarised over this last fraction of training
 
 
 @dataclass
@@ -27,18 +38,20 @@ class Row:
     global_batch: int
     world_size: int
     seeds: int
-    final_acc: float
+    split: str  # the split the runs evaluated during training: "val", or "test" without a validation split
+    final_acc: float  # on `split`
     final_acc_std: float
     best_acc: float
-    test_acc: float | None
-    gap: float | None  # final_acc minus the smallest-batch baseline's, in points
+    test_acc: float | None  # scored once per run, at the end
+    test_acc_std: float | None
+    gap: float | None  # test accuracy minus the smallest-batch baseline's, in points
     steps: float
-    steps_to_target: float | None
+    steps_to_target: float | None  # interpolated crossing on `split`, mean over seeds
     steps_to_target_std: float | None
     samples_per_sec: float
     diverged: int
     errors: int
-    b_simple: float | None
+    b_simple: float | None  # gradient noise scale over the last GNS_WINDOW of training, median over seeds
     jobs: list[str] = field(default_factory=list)
 
 
@@ -49,6 +62,7 @@ def load_jobs(study_dir: Path) -> list[dict]:
             continue
         job = json.loads(path.read_text())
         job["job_dir"] = str(path.parent.relative_to(study_dir))
+        job.setdefault("eval_split", "val")
         jobs.append(job)
     # Only overrides that differ between jobs make a variant; ones shared by all are the study's setting.
     shared = set.intersection(*(set(j.get("overrides", [])) for j in jobs)) if jobs else set()
@@ -58,12 +72,9 @@ def load_jobs(study_dir: Path) -> list[dict]:
     return jobs
 
 
-def steps_to_target(val_history: list[dict], target: float) -> int | None:
-    """First optimizer step whose evaluation reached `target` accuracy (Shallue et al. 2018)."""
-    for point in val_history:
-        if point["val_acc"] >= target:
-            return int(point["step"])
-    return None
+def _on(job: dict, what: str):
+    """A job's number on the split it evaluated during training: _on(job, "final_{}_acc")."""
+    return job.get(what.format(job["eval_split"]))
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -87,27 +98,43 @@ def series_name(job: dict) -> str:
     return f"{recipe} ({', '.join(swept)})" if swept else recipe
 
 
-def aggregate(jobs: list[dict], target: float) -> list[Row]:
+def _groups(jobs: list[dict]) -> dict[tuple[str, int], list[dict]]:
     groups: dict[tuple[str, int], list[dict]] = {}
     for job in jobs:
-        key = (job["series"], int(job.get("global_batch") or 0))
-        groups.setdefault(key, []).append(job)
+        groups.setdefault((job["series"], int(job.get("global_batch") or 0)), []).append(job)
+    return dict(sorted(groups.items()))
+
+
+def default_target(jobs: list[dict]) -> float | None:
+    """The base batch's final accuracy (the baseline's, mean over seeds) minus TARGET_MARGIN."""
+    trained = [j for j in jobs if "error" not in j and not j.get("diverged")]
+    if not trained:
+        return None
+    smallest = min(int(j["global_batch"]) for j in trained)
+    at_smallest = [j for j in trained if int(j["global_batch"]) == smallest]
+    baseline = [j for j in at_smallest if j.get("recipe") == "baseline"] or at_smallest
+    accuracy, _ = _mean_std([_on(j, "final_{}_acc") for j in baseline])
+    return accuracy - TARGET_MARGIN if math.isfinite(accuracy) else None
+
+
+def aggregate(jobs: list[dict], target: float | None) -> list[Row]:
     rows = []
-    for (recipe, batch), members in sorted(groups.items()):
+    for (recipe, batch), members in _groups(jobs).items():
         ok = [j for j in members if "error" not in j]
         trained = [j for j in ok if not j.get("diverged")]
-        final, final_std = _mean_std([j["final_val_acc"] for j in trained])
-        best, _ = _mean_std([j["best_val_acc"] for j in trained])
+        final, final_std = _mean_std([_on(j, "final_{}_acc") for j in trained])
         tests = [j["test_acc"] for j in trained if j.get("test_acc") is not None]
-        reached = [steps_to_target(j.get("val_history", []), target) for j in trained]
+        test, test_std = _mean_std(tests) if tests else (None, None)
+        reached = [crossing_step(_on(j, "{}_history") or [], target) for j in trained] if target else []
         reached = [r for r in reached if r is not None]
         stt, stt_std = _mean_std(reached) if reached and len(reached) == len(trained) else (None, None)
-        b_simple = [j.get("technique_metrics", {}).get("gns/b_simple") for j in ok]
-        b_simple = [b for b in b_simple if b is not None and math.isfinite(b)]
+        b_simple = [gns_summary(j.get("technique_curves", {}).get("gns/b_simple", []), GNS_WINDOW) for j in ok]
+        b_simple = [b for b in b_simple if b is not None]
         rows.append(Row(
             recipe=recipe, global_batch=batch, world_size=int(members[0].get("world_size") or 0),
-            seeds=len(members), final_acc=final, final_acc_std=final_std, best_acc=best,
-            test_acc=statistics.fmean(tests) if tests else None, gap=None,
+            seeds=len(members), split=members[0]["eval_split"], final_acc=final, final_acc_std=final_std,
+            best_acc=_mean_std([_on(j, "best_{}_acc") for j in trained])[0],
+            test_acc=test, test_acc_std=test_std, gap=None,
             steps=_mean_std([j["steps"] for j in ok])[0] if ok else float("nan"),
             steps_to_target=stt, steps_to_target_std=stt_std,
             samples_per_sec=_mean_std([j["samples_per_sec"] for j in ok])[0] if ok else float("nan"),
@@ -117,27 +144,59 @@ def aggregate(jobs: list[dict], target: float) -> list[Row]:
         ))
     reference = _reference(rows)
     for row in rows:
-        if reference is not None and math.isfinite(row.final_acc):
-            row.gap = 100 * (row.final_acc - reference)
+        if reference is not None and row.test_acc is not None:
+            row.gap = 100 * (row.test_acc - reference)
     return rows
 
 
 def _reference(rows: list[Row]) -> float | None:
-    """Accuracy of the baseline at the smallest global batch (any recipe there if no baseline)."""
-    candidates = [r for r in rows if math.isfinite(r.final_acc)]
+    """Test accuracy of the baseline at the smallest global batch (any recipe there if no baseline)."""
+    candidates = [r for r in rows if r.test_acc is not None]
     if not candidates:
         return None
     smallest = min(r.global_batch for r in candidates)
     at_smallest = [r for r in candidates if r.global_batch == smallest]
     baseline = [r for r in at_smallest if r.recipe.split(" (")[0] == "baseline"]
-    return (baseline or at_smallest)[0].final_acc
+    return (baseline or at_smallest)[0].test_acc
 
 
-def critical_batch(rows: list[Row]) -> float | None:
-    """Median gradient-noise-scale B_simple over the study (the baseline's jobs if it has any)."""
-    values = [r.b_simple for r in rows if r.b_simple is not None and r.recipe.split(" (")[0] == "baseline"]
-    values = values or [r.b_simple for r in rows if r.b_simple is not None]
-    return statistics.median(values) if values else None
+def _is_baseline(recipe: str) -> bool:
+    return recipe.split(" (")[0] == "baseline"
+
+
+def critical_batch(jobs: list[dict], rows: list[Row], target: float | None) -> dict:
+    """The critical batch two ways, on the baseline's jobs (any recipe's without a baseline).
+
+    fit: S = S_min (1 + B_noise / B) fitted to each job's interpolated steps to
+    `target` across global batches (McCandlish et al. 2018, eq. 2.11), with a
+    90% bootstrap interval over seeds; gns: the median over jobs of B_simple
+    summarised over the last GNS_WINDOW of training.
+    """
+    series = "baseline" if any(_is_baseline(r.recipe) for r in rows) else (rows[0].recipe if rows else None)
+    result = {"series": series, "target": target, "fit": None, "fit_interval": None, "s_min": None, "e_min": None,
+              "fit_points": 0, "fit_error": None, "gns": None, "gns_window": GNS_WINDOW, "ratio": None}
+    own = [r for r in rows if r.recipe == series]
+    b_simple = [r.b_simple for r in own if r.b_simple is not None]
+    result["gns"] = statistics.median(b_simple) if b_simple else None
+    points: dict[int, list[float]] = {}
+    for job in jobs:
+        if job.get("series") != series or "error" in job or job.get("diverged") or target is None:
+            continue
+        step = crossing_step(_on(job, "{}_history") or [], target)
+        if step is not None and step > 0:
+            points.setdefault(int(job["global_batch"]), []).append(step)
+    result["fit_points"] = sum(len(v) for v in points.values())
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # resamples that fail to fit only narrow the sample
+            fit, interval = bootstrap_fit(points)
+        result.update(fit=fit.b_crit, fit_interval=list(interval), s_min=fit.s_min, e_min=fit.e_min)
+    except ValueError as error:
+        reached = sorted(points)
+        result["fit_error"] = f"{error} (batches reaching the target: {', '.join(f'{b:,}' for b in reached) or 'none'})"
+    if result["fit"] and result["gns"]:
+        result["ratio"] = result["fit"] / result["gns"]
+    return result
 
 
 def _fmt(value, spec: str = ".4f", std=None) -> str:
@@ -147,25 +206,51 @@ def _fmt(value, spec: str = ".4f", std=None) -> str:
     return text + (f" ± {format(std, spec)}" if std else "")
 
 
-def markdown(rows: list[Row], target: float, b_crit: float | None, jobs: list[dict]) -> str:
+def markdown(rows: list[Row], target: float | None, crit: dict, jobs: list[dict]) -> str:
+    split = "val" if any(r.split == "val" for r in rows) else "test"
     lines = ["# lbt study report", ""]
-    lines.append(f"Steps to target: first evaluated step with val accuracy >= {target:g}. "
-                 "Gap: final val accuracy minus the baseline's at the smallest global batch, in points.")
-    if b_crit is not None:
-        lines.append(f"Critical batch estimate (gradient noise scale B_simple, median): **{b_crit:,.0f}**")
+    if split == "val":
+        lines.append("Splits: **val** is held out of the training set and is what the runs select on (best "
+                     "accuracy, steps to target); **test** is scored once per run, at the end.")
+    else:
+        lines.append("Splits: **no validation split** (data.val_fraction=0): the runs evaluated the **test** split "
+                     "during training, so every number below is a test number and says so. Hold out a validation "
+                     "split to select on val.")
+    target_text = f"{100 * target:.2f}%" if target is not None else "-"
+    lines.append(f"Steps to target: interpolated step at which {split} accuracy first reached {target_text} (the base "
+                 f"batch's final {split} accuracy minus {100 * TARGET_MARGIN:g} point unless --target is given). Gap: "
+                 "test accuracy minus the baseline's at the smallest global batch, in points.")
+    lines += ["", "## Critical batch", ""]
+    if crit["fit"]:
+        low, high = crit["fit_interval"]
+        lines.append(f"- From steps to target ({crit['series']}, {crit['fit_points']} runs, S = S_min (1 + B_noise/B), "
+                     f"McCandlish et al. 2018): **{crit['fit']:,.0f}** (90% bootstrap interval {low:,.0f} - {high:,.0f}; "
+                     f"S_min {crit['s_min']:,.1f} steps, E_min {crit['e_min']:,.0f} samples)")
+    else:
+        lines.append(f"- From steps to target ({crit['series']}): not measured: {crit['fit_error']}")
+    if crit["gns"]:
+        lines.append(f"- From the gradient noise scale B_simple ({crit['series']}, median over runs of its median over "
+                     f"the last {100 * GNS_WINDOW:g}% of training): **{crit['gns']:,.0f}**")
+    else:
+        lines.append("- From the gradient noise scale: not measured (run the study with measure=[gns])")
+    if crit["ratio"]:
+        lines.append(f"- Ratio fit / gns: {crit['ratio']:.2f}")
     for recipe in sorted({r.recipe for r in rows}):
         lines += ["", f"## {recipe}", "",
-                  "| global batch | world size | seeds | final val acc | best val acc | test acc | gap (pts) | steps | "
-                  "steps to target | samples/s | diverged |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  f"| global batch | world size | seeds | final {split} acc | best {split} acc | test acc | gap (pts) | "
+                  f"steps | steps to target ({split}) | B_simple (last {100 * GNS_WINDOW:g}%) | samples/s | diverged |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in sorted((r for r in rows if r.recipe == recipe), key=lambda r: r.global_batch):
             status = ", ".join(
                 [f"diverged {r.diverged}/{r.seeds}"] * bool(r.diverged) + [f"error {r.errors}/{r.seeds}"] * bool(r.errors)
             ) or "no"
+            mine = r.split == split  # a row evaluated on another split leaves the split-named columns empty
             lines.append(
-                f"| {r.global_batch:,} | {r.world_size} | {r.seeds} | {_fmt(r.final_acc, '.4f', r.final_acc_std)} | "
-                f"{_fmt(r.best_acc)} | {_fmt(r.test_acc)} | {_fmt(r.gap, '+.2f')} | {_fmt(r.steps, '.0f')} | "
-                f"{_fmt(r.steps_to_target, '.0f', r.steps_to_target_std)} | {_fmt(r.samples_per_sec, ',.0f')} | {status} |"
+                f"| {r.global_batch:,} | {r.world_size} | {r.seeds} | "
+                f"{_fmt(r.final_acc if mine else None, '.4f', r.final_acc_std)} | {_fmt(r.best_acc if mine else None)} | "
+                f"{_fmt(r.test_acc, '.4f', r.test_acc_std)} | {_fmt(r.gap, '+.2f')} | {_fmt(r.steps, '.0f')} | "
+                f"{_fmt(r.steps_to_target if mine else None, '.0f', r.steps_to_target_std)} | "
+                f"{_fmt(r.b_simple, ',.0f')} | {_fmt(r.samples_per_sec, ',.0f')} | {status} |"
             )
     failed = [j for j in jobs if "error" in j]
     if failed:
@@ -183,27 +268,34 @@ def _batch_axis(ax) -> None:
     ax.set_xlabel("global batch")
 
 
-def plot_accuracy(rows: list[Row], b_crit: float | None, path: Path) -> None:
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_accuracy(rows: list[Row], crit: dict, path: Path) -> None:
+    """Test accuracy (scored once per run) vs global batch, one line per recipe."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for recipe in sorted({r.recipe for r in rows}):
         points = sorted((r for r in rows if r.recipe == recipe), key=lambda r: r.global_batch)
-        good = [r for r in points if math.isfinite(r.final_acc)]
-        line = ax.errorbar([r.global_batch for r in good], [100 * r.final_acc for r in good],
-                           yerr=[100 * r.final_acc_std for r in good], marker="o", capsize=3, label=recipe)
+        good = [r for r in points if r.test_acc is not None]
+        line = ax.errorbar([r.global_batch for r in good], [100 * r.test_acc for r in good],
+                           yerr=[100 * (r.test_acc_std or 0) for r in good], marker="o", capsize=3, label=recipe)
         bad = [r for r in points if r.diverged or r.errors]
         if bad:
-            floor = min([100 * r.final_acc for r in good], default=10.0)
+            floor = min([100 * r.test_acc for r in good], default=10.0)
             ax.scatter([r.global_batch for r in bad], [floor] * len(bad), marker="x", s=80,
                        color=line[0].get_color(), label=f"{recipe}: diverged/failed")
-    if b_crit is not None:
-        ax.axvline(b_crit, color="gray", linestyle="--", label=f"critical batch ≈ {b_crit:,.0f} (GNS)")
+    for value, style, name in ((crit["fit"], "--", "steps-to-target fit"), (crit["gns"], ":", "GNS")):
+        if value:
+            ax.axvline(value, color="gray", linestyle=style, label=f"critical batch ≈ {value:,.0f} ({name})")
     _batch_axis(ax)
-    ax.set_ylabel("final val accuracy (%)")
+    ax.set_ylabel("test accuracy (%), scored once per run")
     ax.set_title("Accuracy vs global batch (same epoch budget)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
@@ -212,27 +304,25 @@ def plot_accuracy(rows: list[Row], b_crit: float | None, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_steps(rows: list[Row], target: float, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot_steps(rows: list[Row], jobs: list[dict], target: float | None, crit: dict, path: Path) -> None:
+    """Steps to target vs global batch per recipe, with the fitted S = S_min (1 + B_noise / B)."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for recipe in sorted({r.recipe for r in rows}):
         points = sorted((r for r in rows if r.recipe == recipe and r.steps_to_target), key=lambda r: r.global_batch)
         if points:
             ax.errorbar([r.global_batch for r in points], [r.steps_to_target for r in points],
                         yerr=[r.steps_to_target_std or 0 for r in points], marker="o", capsize=3, label=recipe)
-    reached = [r for r in rows if r.steps_to_target]
-    if reached:
-        first = min(reached, key=lambda r: (r.global_batch, r.steps_to_target))
-        batches = sorted({r.global_batch for r in rows})
-        ax.plot(batches, [first.steps_to_target * first.global_batch / b for b in batches], "k:",
-                label="perfect scaling")
+    batches = sorted({r.global_batch for r in rows})
+    if crit["fit"] and batches:
+        grid = [batches[0] * (batches[-1] / batches[0]) ** (i / 50) for i in range(51)]
+        s_min, b_noise = crit["s_min"], crit["fit"]
+        ax.plot(grid, [s_min * (1 + b_noise / b) for b in grid], "k--",
+                label=f"fit ({crit['series']}): S_min={s_min:,.0f}, B_crit={b_noise:,.0f}")
     _batch_axis(ax)
     ax.set_yscale("log")
-    ax.set_ylabel(f"steps to {100 * target:g}% val accuracy")
+    split = "val" if any(r.split == "val" for r in rows) else "test"
+    ax.set_ylabel(f"steps to {100 * target:.1f}% {split} accuracy" if target is not None else "steps to target")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -240,48 +330,78 @@ def plot_steps(rows: list[Row], target: float, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_gns(jobs: list[dict], crit: dict, path: Path) -> None:
+    """B_simple over training (samples seen), one line per job of the critical-batch series."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for job in sorted(jobs, key=lambda j: (int(j.get("global_batch") or 0), j.get("seed", 0))):
+        curve = job.get("technique_curves", {}).get("gns/b_simple", [])
+        if job.get("series") == crit["series"] and curve:
+            ax.plot([p[0] for p in curve], [p[1] for p in curve], marker=".",
+                    label=f"B={int(job['global_batch']):,} seed {job.get('seed', 0)}")
+    ax.set_xlabel("samples seen")
+    ax.set_ylabel("gradient noise scale B_simple")
+    ax.set_yscale("log")
+    ax.set_title(f"{crit['series']}: B_simple over training (summarised over the last {100 * GNS_WINDOW:g}%)")
+    ax.grid(True, which="both", alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def write_tensorboard(rows: list[Row], jobs: list[dict], path: Path) -> None:
-    """Scalars with the global batch as step (`study/<recipe>/val_acc`) and an HParams row per job."""
+    """Scalars with the global batch as step (`study/<recipe>/val_acc`, `.../test_acc`) and an HParams row per job."""
     from torch.utils.tensorboard import SummaryWriter
 
     writer = SummaryWriter(str(path))
     for row in sorted(rows, key=lambda r: r.global_batch):
-        if math.isfinite(row.final_acc):
+        if math.isfinite(row.final_acc) and row.split == "val":
             writer.add_scalar(f"study/{row.recipe}/val_acc", row.final_acc, row.global_batch)
+        if row.test_acc is not None:
+            writer.add_scalar(f"study/{row.recipe}/test_acc", row.test_acc, row.global_batch)
         if row.steps_to_target:
-            writer.add_scalar(f"study/{row.recipe}/steps_to_target", row.steps_to_target, row.global_batch)
+            writer.add_scalar(f"study/{row.recipe}/steps_to_target_{row.split}", row.steps_to_target, row.global_batch)
     for i, job in enumerate(jobs):
         if "error" in job:
             continue
         hparams = {"recipe": job.get("recipe", "?"), "world_size": job["world_size"],
                    "global_batch": job["global_batch"], "per_worker_batch": job["per_worker_batch"],
                    "seed": job.get("seed", 0), "lr": job.get("base_lr", 0.0)}
-        metrics = {"hparam/final_val_acc": job["final_val_acc"], "hparam/best_val_acc": job["best_val_acc"],
+        split = job["eval_split"]
+        metrics = {f"hparam/final_{split}_acc": job[f"final_{split}_acc"],
+                   f"hparam/best_{split}_acc": job[f"best_{split}_acc"],
                    "hparam/diverged": float(bool(job.get("diverged")))}
+        if job.get("test_acc") is not None:
+            metrics["hparam/test_acc"] = job["test_acc"]
         writer.add_hparams(hparams, metrics, run_name=f"job_{job['job_dir'].replace(os.sep, '_') or i}")
     writer.close()
 
 
-def write_report(study_dir: str | Path, target: float = 0.95) -> dict:
+def write_report(study_dir: str | Path, target: float | None = None) -> dict:
     study_dir = Path(study_dir)
     jobs = load_jobs(study_dir)
     if not jobs:
         from lbt.errors import ConfigError
 
         raise ConfigError(f"no result.json found under {study_dir}: is it a study (multirun) folder?")
+    target = default_target(jobs) if target is None else target
     rows = aggregate(jobs, target)
-    b_crit = critical_batch(rows)
-    (study_dir / "report.md").write_text(markdown(rows, target, b_crit, jobs))
-    plot_accuracy(rows, b_crit, study_dir / "accuracy_vs_batch.png")
-    plot_steps(rows, target, study_dir / "steps_to_target.png")
+    crit = critical_batch(jobs, rows, target)
+    (study_dir / "report.md").write_text(markdown(rows, target, crit, jobs))
+    plot_accuracy(rows, crit, study_dir / "accuracy_vs_batch.png")
+    plot_steps(rows, jobs, target, crit, study_dir / "steps_to_target.png")
+    plot_gns(jobs, crit, study_dir / "gns_over_training.png")
     write_tensorboard(rows, jobs, study_dir / SUMMARY_DIR)
+    named = ("job_dir", "series", "recipe", "world_size", "global_batch", "per_worker_batch", "seed", "eval_split",
+             "final_val_acc", "best_val_acc", "final_test_acc", "best_test_acc", "test_acc", "steps",
+             "samples_per_sec", "diverged", "error")
     summary = {
         "target_acc": target,
-        "critical_batch": b_crit,
+        "critical_batch": crit,
         "rows": [asdict(r) for r in rows],
-        "jobs": [{k: j.get(k) for k in ("job_dir", "series", "recipe", "world_size", "global_batch", "per_worker_batch", "seed",
-                                       "final_val_acc", "best_val_acc", "test_acc", "steps", "samples_per_sec",
-                                       "diverged", "error")} for j in jobs],
+        "jobs": [{k: j[k] for k in named if k in j} for j in jobs],
     }
     (study_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -37,11 +37,13 @@ from lbt.trainer import LoopSettings, Result, Trainer
 
 
 def run(cfg: DictConfig | dict, run_dir: str | Path, recipe: str | None = None,
-        overrides: list[str] | None = None) -> dict:
+        overrides: list[str] | None = None, techniques: list[Technique] = ()) -> dict:
     """Train once as `cfg` says, writing TensorBoard events and result.json into run_dir.
 
     `recipe` names the recipe for reports; `overrides` (the command line's) are
     kept in result.json so a study report can tell its variants apart.
+    `techniques` join the config's (built objects, e.g. a tuner's pruning hook;
+    in-process runs only: they are not sent to spawned workers).
     """
     config = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
     config["recipe"] = recipe or config.get("recipe") or "custom"
@@ -53,7 +55,9 @@ def run(cfg: DictConfig | dict, run_dir: str | Path, recipe: str | None = None,
         # Only rank 0 has the summary; the other torchrun ranks return {}.
         return _train_process(env["rank"], None, config, run_dir, procs, env["local_rank"], env["local_procs"])
     if procs == 1:
-        return _train_process(0, None, config, run_dir, 1, 0, 1)
+        return _train_process(0, None, config, run_dir, 1, 0, 1, list(techniques))
+    if techniques:
+        raise ConfigError("run(techniques=...) adds techniques to in-process runs only (dist.procs=1)")
     # Build the data once here: generates caches before the workers start and
     # reports a missing dataset as one line from one process.
     build(config["data"], "data")
@@ -111,14 +115,14 @@ class Parts:
     techniques: list[Technique]
 
 
-def build_parts(config: dict, ctx: lbt_dist.DistContext) -> Parts:
+def build_parts(config: dict, ctx: lbt_dist.DistContext, extra_techniques: list[Technique] = ()) -> Parts:
     """Data, batch plan per epoch, model, techniques, the optimizer (once) and the LR schedule."""
     trainer_cfg = config["trainer"]
     data = build(config["data"], "data")
     num_train = len(data.train)
     plan = plan_batches(ctx.world_size, ctx.procs, trainer_cfg["per_worker_batch"], trainer_cfg["global_batch"],
                         num_train)
-    techniques = build_techniques(config)
+    techniques = sort_techniques(build_techniques(config) + list(extra_techniques))
     torch.manual_seed(trainer_cfg["seed"])  # same initial weights in every process and layout
     model = build(config["model"], "model", input_shape=tuple(data.input_shape), num_classes=data.num_classes)
     for technique in techniques:
@@ -131,6 +135,9 @@ def build_parts(config: dict, ctx: lbt_dist.DistContext) -> Parts:
     plans = [plan] * trainer_cfg["epochs"]
     for technique in techniques:
         plans = technique.plan_epochs(plans, num_train)
+    for technique in techniques:
+        for layout in dict.fromkeys(plans):  # each distinct layout, in order
+            technique.check_plan(layout)
     budget = make_budget(plans, num_train, trainer_cfg["max_steps"])
     schedule = lbt_lr.build_schedule(config["schedule"], config["optim"]["lr"], plan.global_batch, budget)
     return Parts(data, plan, budget, schedule, model, optimizer, loss_fn, techniques)
@@ -175,9 +182,8 @@ def exit_worker() -> None:
     os._exit(0)
 
 
-def _train_process(
-    rank: int, store_port: int | None, config: dict, run_dir: str, procs: int, local_rank: int, local_procs: int
-) -> dict:
+def _train_process(rank: int, store_port: int | None, config: dict, run_dir: str, procs: int, local_rank: int,
+                   local_procs: int, extra_techniques: list[Technique] = ()) -> dict:
     dist_cfg, trainer_cfg = config["dist"], config["trainer"]
     # Share the cores among the processes of this machine, so P=2 on 2 cores
     # does not oversubscribe them.
@@ -189,7 +195,7 @@ def _train_process(
             run_dir = _agree_on_run_dir(run_dir)
         ctx = lbt_dist.DistContext(rank, procs, local_rank, dist_cfg["world_size"], device)
         started = time.perf_counter()
-        parts = build_parts(config, ctx)
+        parts = build_parts(config, ctx, extra_techniques)
         if ctx.is_main:
             _print_start(config, parts, run_dir)
         checkpointer = Checkpointer(run_dir, rank, procs)
@@ -198,8 +204,8 @@ def _train_process(
         loop = resume[0]["loop"] if resume else {"step": 0, "samples_seen": 0}
         logger = RunLogger(run_dir if ctx.is_main else None, loop["step"], loop["samples_seen"])
         settings = LoopSettings(seed=trainer_cfg["seed"], log_every=trainer_cfg["log_every"],
-                                progress=trainer_cfg["progress"], fuse_workers=dist_cfg["fuse_workers"],
-                                checkpoint_every=trainer_cfg["checkpoint_every"])
+                                progress=trainer_cfg["progress"], evals=trainer_cfg["evals"],
+                                fuse_workers=dist_cfg["fuse_workers"], checkpoint_every=trainer_cfg["checkpoint_every"])
         trainer = Trainer(parts.model, parts.optimizer, parts.loss_fn, parts.techniques, parts.schedule,
                           parts.budget, parts.data, ctx, settings, logger, checkpointer)
         if resume is not None:
@@ -241,8 +247,8 @@ def _finish(config: dict, parts: Parts, result: Result, run_dir: str, logger: Ru
         "peak_lr": peak_lr,
         "peak_lr_samples": peak_samples,
         "seed": config["trainer"]["seed"],
-        **result.to_dict(),
-        # The held-out test split under the names val/* has in TensorBoard (None without data.val_fraction).
+        # Named after their split: final_val_acc, val_history, ... or final_test_acc, ... without a val split.
+        **result.summary(),
         "test/acc": result.test_acc,
         "test/loss": result.test_loss,
         "techniques": [t.describe() for t in parts.techniques],
@@ -252,13 +258,16 @@ def _finish(config: dict, parts: Parts, result: Result, run_dir: str, logger: Ru
         {"world_size": plan.world_size, "per_worker_batch": plan.per_worker_batch,
          "global_batch": plan.global_batch, "recipe": config["recipe"], "lr": base_lr, "peak_lr": peak_lr,
          "peak_lr_samples": peak_samples, "seed": config["trainer"]["seed"]},
-        {"hparam/final_val_acc": result.final_val_acc, "hparam/best_val_acc": result.best_val_acc},
+        {f"hparam/final_{result.eval_split}_acc": result.final_acc,
+         f"hparam/best_{result.eval_split}_acc": result.best_acc,
+         **({"hparam/test_acc": result.test_acc} if result.eval_split == "val" and result.test_acc is not None
+            else {})},
     )
     atomic_write(Path(run_dir) / "final_model.pt", lambda f: torch.save(parts.model.state_dict(), f))
     atomic_write(Path(run_dir) / "result.json",
                  lambda f: f.write(json.dumps(summary, indent=2, allow_nan=True).encode()))
-    state = "DIVERGED" if result.diverged else f"val_acc={result.final_val_acc:.4f}"
-    test = f" test_acc={result.test_acc:.4f}" if result.test_acc is not None else ""
+    state = "DIVERGED" if result.diverged else f"{result.eval_split}_acc={result.final_acc:.4f}"
+    test = f" test_acc={result.test_acc:.4f}" if result.test_acc is not None and result.eval_split != "test" else ""
     print(f"done: {state}{test} steps={result.steps} samples/s={result.samples_per_sec:,.0f} "
           f"wall={result.wall_seconds:.1f}s -> {run_dir}/result.json", flush=True)
     return summary

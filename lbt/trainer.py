@@ -43,24 +43,27 @@ from lbt.techniques.base import Progress, Technique
 
 
 @dataclass
-class ValPoint:
-    """One evaluation at the end of an epoch (steps-to-target is read from these)."""
+class EvalPoint:
+    """One evaluation of the held-out split during training (steps-to-target is read from these)."""
 
     step: int
     samples_seen: int
     global_batch: int
-    val_acc: float
+    acc: float
+    loss: float
 
 
 @dataclass
 class Result:
-    """What a run reports; result.json holds it with the resolved config."""
+    """What a run reports; result.json holds it (see `summary`) with the resolved config."""
 
-    final_val_acc: float = float("nan")
-    best_val_acc: float = float("nan")
-    final_val_loss: float = float("nan")
+    # The split evaluated during training: "val", or "test" when the run holds out no validation split.
+    eval_split: str = "val"
+    final_acc: float = float("nan")  # on eval_split
+    best_acc: float = float("nan")
+    final_loss: float = float("nan")
     final_train_loss: float = float("nan")
-    test_acc: float | None = None
+    test_acc: float | None = None  # the test split, once, at the end
     test_loss: float | None = None
     steps: int = 0
     samples_seen: int = 0
@@ -69,8 +72,9 @@ class Result:
     samples_per_sec: float = 0.0
     diverged: bool = False
     stopped: bool = False  # by SIGTERM/SIGINT, after a checkpoint; resume with trainer.resume=auto
-    val_history: list[ValPoint] = field(default_factory=list)
+    history: list[EvalPoint] = field(default_factory=list)
     technique_metrics: dict[str, float] = field(default_factory=dict)
+    technique_curves: dict[str, list[list[float]]] = field(default_factory=dict)  # name -> [[samples, value]]
     # mean seconds per step: data, compute (forward+backward), comm (allreduce span), optimizer
     step_seconds: dict[str, float] = field(default_factory=dict)
 
@@ -79,8 +83,16 @@ class Result:
 
     @classmethod
     def from_dict(cls, values: dict) -> Result:
-        history = [ValPoint(**point) for point in values.get("val_history", [])]
-        return cls(**{**values, "val_history": history})
+        return cls(**{**values, "history": [EvalPoint(**point) for point in values["history"]]})
+
+    def summary(self) -> dict:
+        """result.json's fields, each named after the split it was measured on: a val-named
+        field never holds test data (final_val_acc, val_history; final_test_acc, test_history)."""
+        values, split = self.to_dict(), self.eval_split
+        for key in ("final_acc", "best_acc", "final_loss"):
+            values[key.replace("_", f"_{split}_", 1)] = values.pop(key)
+        values[f"{split}_history"] = values.pop("history")
+        return values
 
 
 @dataclass
@@ -101,8 +113,23 @@ class LoopSettings:
     log_every: int = 10
     progress: bool = True
     eval_batch: int = 1024
+    evals: int = 20  # evaluations spaced log-uniformly in samples seen, besides those at epoch ends
     fuse_workers: bool = True
     checkpoint_every: int = 0  # epochs; 0 = only when stopped by a signal
+
+
+def evaluation_steps(budget: Budget, evals: int) -> frozenset[int]:
+    """Steps (counted as done) after which to evaluate: every epoch's end, and `evals` points
+    log-spaced in samples seen from the first step to the end, so steps-to-target is resolved at
+    every batch size (at batch 64 an epoch is ~940 steps; at 8,192 the run is 70)."""
+    ends, done = set(), 0
+    for steps in budget.steps:
+        done += steps
+        if steps:
+            ends.add(done)
+    first, total = budget.plans[0].global_batch, budget.total_samples
+    spaced = (first * (total / first) ** (i / max(evals - 1, 1)) for i in range(evals)) if evals else ()
+    return frozenset(ends | {budget.step_boundary(samples)[0] for samples in spaced} - {0})
 
 
 def register_comm_hook(ddp: DistributedDataParallel, techniques: list[Technique], timer: StepTimer | None = None):
@@ -150,10 +177,16 @@ class Trainer:
             register_comm_hook(self.ddp, techniques, self.timer)
         self.buffer_mean = BufferMean(model)
         self.wants_worker_gradient = any(t.wants_worker_gradient for t in techniques)
+        # A technique that stands in for the allreduce between simulated workers (gradient compression).
+        self.simulated_comm = next((t.simulated_comm for t in techniques if t.simulated_comm is not None), None) \
+            if any(p.workers_per_proc > 1 for p in budget.plans) else None
         # Log every log_every steps, at each epoch's end, and at the step that takes the peak LR.
         peak_step = budget.step_boundary(peak(schedule, budget)[1])[0]
         self.window = TrainWindow(settings.log_every, peak_step)
-        self.state, self.result, self.stop_requested = LoopState(), Result(), False
+        # The held-out split evaluated while training: val, or test when there is no validation split.
+        self.eval_split, self.eval_set = ("val", data.val) if data.val is not None else ("test", data.test)
+        self.eval_steps = evaluation_steps(budget, settings.evals)
+        self.state, self.result, self.stop_requested = LoopState(), Result(self.eval_split), False
 
     # -- the loop -------------------------------------------------------------
     def fit(self) -> Result:
@@ -196,7 +229,10 @@ class Trainer:
             s.step, s.step_in_epoch = s.step + 1, s.step_in_epoch + 1
             s.samples_seen += plan.global_batch
             self.window.add(loss)
-            if log_now and self.log_window(plan, lr, correct, bar, steps):
+            leave = log_now and self.log_window(plan, lr, correct, bar, steps)
+            if s.step in self.eval_steps and s.step_in_epoch < steps:  # an epoch's end evaluates in end_epoch
+                self.validate(plan)
+            if leave:
                 break
             if bar is not None:
                 bar.update()
@@ -234,29 +270,40 @@ class Trainer:
             result.diverged = True
             self.say(f"epoch {s.epoch + 1}: train loss is {train_loss}; the run diverged, stopping early")
             return False
-        result.final_val_loss, result.final_val_acc = self.evaluate(self.data.val)
-        result.val_history.append(ValPoint(s.step, s.samples_seen, plan.global_batch, result.final_val_acc))
-        self.log.scalars({"val/loss": result.final_val_loss, "val/acc": result.final_val_acc}, s.step,
-                         s.samples_seen)
+        point, split = self.validate(plan), self.eval_split
         self.say(f"epoch {s.epoch + 1}/{len(self.budget.plans)} step {s.step} train_loss={train_loss:.4f} "
-                 f"val_loss={result.final_val_loss:.4f} val_acc={result.final_val_acc:.4f}")
+                 f"{split}_loss={point.loss:.4f} {split}_acc={point.acc:.4f}")
         s.epoch, s.step_in_epoch, s.epoch_loss_sum, s.epoch_loss_count = s.epoch + 1, 0, 0.0, 0
         every = self.settings.checkpoint_every
         if every and s.epoch % every == 0 and s.step < self.budget.total_steps:
             self.save_checkpoint()
         return True
 
+    def validate(self, plan: BatchPlan) -> EvalPoint:
+        """Evaluate the held-out split now; record, log and hand the point to the techniques."""
+        s, result, split = self.state, self.result, self.eval_split
+        result.final_loss, result.final_acc = self.evaluate(self.eval_set)
+        point = EvalPoint(s.step, s.samples_seen, plan.global_batch, result.final_acc, result.final_loss)
+        result.history.append(point)
+        self.log.scalars({f"{split}/loss": point.loss, f"{split}/acc": point.acc}, s.step, s.samples_seen)
+        for technique in self.techniques:
+            technique.after_eval(point.step, point.samples_seen, point.acc)
+        return point
+
     def finish(self, started: float) -> None:
-        """The test split once, at the end; the run's totals."""
+        """The test split once, at the end (already done when it is the split evaluated); the run's totals."""
         result, s = self.result, self.state
-        if self.data.test is not None and not result.diverged:
+        if self.eval_split == "test":
+            result.test_loss, result.test_acc = result.final_loss, result.final_acc
+        elif self.data.test is not None and not result.diverged:
             result.test_loss, result.test_acc = self.evaluate(self.data.test)
             self.log.scalars({"test/loss": result.test_loss, "test/acc": result.test_acc}, s.step, s.samples_seen)
-        result.best_val_acc = max((p.val_acc for p in result.val_history), default=float("nan"))
+        result.best_acc = max((p.acc for p in result.history), default=float("nan"))
         result.steps, result.samples_seen = s.step, s.samples_seen
         result.wall_seconds = time.perf_counter() - started
         result.samples_per_sec = s.samples_seen / max(result.train_seconds, 1e-9)
         result.technique_metrics = self.technique_metrics()
+        result.technique_curves = {k: v for t in self.techniques for k, v in t.curves().items()}
         result.step_seconds = self.timer.run_means()
 
     def set_lr(self) -> float:
@@ -277,18 +324,15 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         compute_start = time.perf_counter()
         if workers > 1 and self.wants_worker_gradient:
-            # The first worker alone (its BN statistics and gradient its own),
-            # so a technique can read one worker's gradient, then the others.
-            b = plan.per_worker_batch
-            passes = [(inputs[:b], labels[:b], 1), (inputs[b:], labels[b:], workers - 1)]
-        elif workers > 1 and not self.worker_norms:
+            self.measure_first_worker(inputs[:plan.per_worker_batch], labels[:plan.per_worker_batch], workers)
+        if workers > 1 and (not self.worker_norms or self.simulated_comm):
             passes = [(x, y, 1) for x, y in zip(inputs.chunk(workers), labels.chunk(workers))]
         else:
             passes = [(inputs, labels, workers)]  # one worker, or fused workers
         split_buffers = len(passes) > 1 and self.buffer_mean.active
         if split_buffers:
             self.buffer_mean.begin_step()
-        loss_sum, correct = None, 0
+        loss_sum, correct, sent = None, 0, None
         for i, (pass_inputs, pass_labels, pass_workers) in enumerate(passes):
             last = i == len(passes) - 1
             share = pass_workers / workers
@@ -301,15 +345,16 @@ class Trainer:
                 # Each pass's mean loss weighs by its share of the k local
                 # workers; DDP's division by P completes the mean over W workers.
                 (loss if share == 1 else loss * share).backward()
+            if self.simulated_comm:
+                sent = self.simulated_comm.send(self.model, sent)  # what this worker's GPU would put on the wire
             if split_buffers:
                 self.buffer_mean.after_pass(share, last)
-            if i == 0 and len(passes) > 1 and self.wants_worker_gradient:
-                for technique in self.techniques:
-                    technique.on_worker_gradient(self.model, len(pass_labels), workers)
             weighted = loss.detach() if share == 1 else loss.detach() * share
             loss_sum = weighted if loss_sum is None else loss_sum + weighted
             if count_correct:
                 correct += int((logits.argmax(1) == pass_labels).sum())
+        if self.simulated_comm:
+            self.simulated_comm.receive(self.model, sent)
         s = self.state
         progress = Progress(s.samples_seen, s.step, s.epoch, plan.global_batch, len(self.data.train))
         for technique in self.techniques:
@@ -319,6 +364,20 @@ class Trainer:
         self.optimizer.step()
         self.timer.add("optimizer", time.perf_counter() - optimizer_start)
         return loss_sum, correct
+
+    def measure_first_worker(self, inputs: torch.Tensor, labels: torch.Tensor, workers: int) -> None:
+        """Worker 0's gradient on its own, for measurements (the gradient noise scale).
+
+        Computed beside the step, not as part of it: a measurement never changes the
+        run it measures, so .grad and the BatchNorm buffers are left as they were.
+        """
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        buffers = [b.detach().clone() for b in self.model.buffers()]
+        grads = torch.autograd.grad(self.loss_fn(self.model(inputs), labels), params)
+        for buffer, saved in zip(self.model.buffers(), buffers):
+            buffer.copy_(saved)
+        for technique in self.techniques:
+            technique.on_worker_gradient(list(grads), len(labels), workers)
 
     def technique_metrics(self) -> dict[str, float]:
         metrics: dict[str, float] = {}

@@ -32,11 +32,13 @@ def _toy(n: int) -> InMemoryDataset:
     return InMemoryDataset(torch.arange(n, dtype=torch.float32).unsqueeze(1), torch.arange(n))
 
 
-def test_no_val_fraction_validates_on_test():
+def test_no_val_fraction_means_no_validation_split():
     train, test = _toy(10), _toy(4)
     splits = split_validation(train, test, 0.0, 0, num_classes=10, input_shape=[1])
-    assert splits.train is train and splits.val is test and splits.test is None
+    assert splits.train is train and splits.val is None and splits.test is test
     assert splits.input_shape == (1,)
+    with pytest.raises(ConfigError, match="nothing to evaluate"):
+        split_validation(train, None, 0.0, 0, num_classes=10, input_shape=[1])
 
 
 @settings(max_examples=30, deadline=None)
@@ -93,7 +95,7 @@ def test_mnist1d_shapes_cache_and_global_rng(tmp_path, capsys, monkeypatch):
 
     assert splits.train.x.shape == (240, 40) and splits.train.x.dtype == torch.float32
     assert splits.train.y.shape == (240,) and splits.train.y.dtype == torch.int64
-    assert splits.val.x.shape == (60, 40) and splits.test is None
+    assert splits.test.x.shape == (60, 40) and splits.val is None
     assert splits.num_classes == 10 and splits.input_shape == (40,)
     assert set(splits.train.y.tolist()) == set(range(10))
 
@@ -107,7 +109,7 @@ def test_mnist1d_shapes_cache_and_global_rng(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("mnist1d.data.make_dataset", fail)
     again = build_mnist1d(num_samples=300, train_split=0.8, data_dir=str(tmp_path), progress=False)
     assert cached.stat().st_mtime_ns == mtime
-    assert torch.equal(again.train.x, splits.train.x) and torch.equal(again.val.y, splits.val.y)
+    assert torch.equal(again.train.x, splits.train.x) and torch.equal(again.test.y, splits.test.y)
     assert capsys.readouterr().err == ""
     assert [p.name for p in tmp_path.iterdir()] == [cached.name]  # no temporary file left behind
 
@@ -142,11 +144,11 @@ def test_mnist1d_rejects_bad_arguments(tmp_path):
 def test_synthetic_shapes_and_determinism(input_shape):
     splits = build_synthetic(num_train=64, num_test=32, input_shape=input_shape, num_classes=5, seed=3)
     assert splits.train.x.shape == (64, *input_shape) and splits.train.x.dtype == torch.float32
-    assert splits.val.y.shape == (32,) and splits.val.y.dtype == torch.int64
+    assert splits.test.y.shape == (32,) and splits.test.y.dtype == torch.int64 and splits.val is None
     assert splits.input_shape == tuple(input_shape) and splits.num_classes == 5
     assert int(splits.train.y.max()) < 5
     again = build_synthetic(num_train=64, num_test=32, input_shape=input_shape, num_classes=5, seed=3)
-    assert torch.equal(again.train.x, splits.train.x) and torch.equal(again.val.y, splits.val.y)
+    assert torch.equal(again.train.x, splits.train.x) and torch.equal(again.test.y, splits.test.y)
 
 
 def test_synthetic_leaves_global_rng_alone():
@@ -167,7 +169,7 @@ def test_synthetic_is_learnable():
         loss.backward()
         opt.step()
     with torch.no_grad():
-        accuracy = (model(splits.val.x).argmax(1) == splits.val.y).float().mean().item()
+        accuracy = (model(splits.test.x).argmax(1) == splits.test.y).float().mean().item()
     assert accuracy > 0.6  # chance is 0.1
 
 
@@ -229,12 +231,12 @@ def _normalized(row: np.ndarray) -> torch.Tensor:
 def test_cifar10_from_files(fake_cifar10):
     root, images = fake_cifar10
     splits = build_cifar10(str(root))
-    assert (len(splits.train), len(splits.val), splits.test) == (20, 6, None)
+    assert (len(splits.train), splits.val, len(splits.test)) == (20, None, 6)
     assert splits.num_classes == 10 and splits.input_shape == (3, 32, 32)
     x, y = splits.train[0]
     assert x.shape == (3, 32, 32) and x.dtype == torch.float32 and isinstance(y, int)
     # Evaluation images are only normalized.
-    x, _ = splits.val[0]
+    x, _ = splits.test[0]
     torch.testing.assert_close(x, _normalized(images["test_batch"][0]))
 
 
@@ -277,9 +279,9 @@ def _write_image_folder(root, splits=("train", "val"), classes=("cat", "dog"), p
 def test_imagefolder_train_and_val(tmp_path):
     _write_image_folder(tmp_path)
     splits = build_imagefolder(str(tmp_path), image_size=8)
-    assert (len(splits.train), len(splits.val), splits.test) == (6, 6, None)
+    assert (len(splits.train), splits.val, len(splits.test)) == (6, None, 6)
     assert splits.num_classes == 2 and splits.input_shape == (3, 8, 8)
-    for dataset in (splits.train, splits.val):
+    for dataset in (splits.train, splits.test):
         x, y = dataset[0]
         assert x.shape == (3, 8, 8) and x.dtype == torch.float32 and y in (0, 1)
 
@@ -318,7 +320,8 @@ def _trained_two_steps(run_dir, overrides):
                                   "trainer.epochs=1", *overrides])
     result = run(cfg, run_dir, recipe=recipe)
     assert result["steps"] == 2 and result["samples_seen"] == 2 * result["global_batch"]
-    assert np.isfinite(result["final_train_loss"]) and 0.0 <= result["final_val_acc"] <= 1.0
+    assert np.isfinite(result["final_train_loss"]) and result["eval_split"] == "val"
+    assert 0.0 <= result["final_val_acc"] <= 1.0 and 0.0 <= result["test_acc"] <= 1.0
     assert (run_dir / "final_model.pt").exists()
     return result
 
@@ -333,7 +336,7 @@ def test_train_two_steps_from_cifar10_files(fake_cifar10, tmp_path):
 
 
 def test_train_two_steps_from_an_image_folder(tmp_path):
-    _write_image_folder(tmp_path / "images", per_class=4)
+    _write_image_folder(tmp_path / "images", per_class=6)  # 12 images: 1 held out for val, 2 steps of 4
     result = _trained_two_steps(tmp_path / "run", [
         "data=imagefolder", f"data.root={tmp_path / 'images'}", "data.image_size=16",
         "model=torchvision", "model.name=resnet18", "trainer.global_batch=4",

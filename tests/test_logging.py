@@ -11,8 +11,10 @@ from conftest import train
 
 
 def test_tensorboard_and_result_json(tmp_path):
+    # 640 samples, 128 held out for validation: 512 to train on, 8 steps of 64 per epoch
     result = train(tmp_path, ["model=mlp", "trainer.epochs=3", "dist.world_size=2", "trainer.per_worker_batch=32",
-                              "trainer.log_every=2"])
+                              "trainer.log_every=2", "data.num_train=640", "data.val_fraction=0.2",
+                              "trainer.evals=0"])
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     tags = set(events.Tags()["scalars"])
@@ -33,6 +35,7 @@ def test_tensorboard_and_result_json(tmp_path):
     start = plugin_data_pb2.HParamsPluginData.FromString(hparams["_hparams_/session_start_info"]).session_start_info
     assert set(start.hparams) == {"world_size", "per_worker_batch", "global_batch", "recipe", "lr", "peak_lr",
                                   "peak_lr_samples", "seed"}
+    assert {"hparam/final_val_acc", "hparam/best_val_acc", "hparam/test_acc"} <= tags
     assert start.hparams["global_batch"].number_value == 64 and start.hparams["recipe"].string_value == "baseline"
     assert events.Scalars("hparam/final_val_acc")[-1].value == pytest.approx(result["final_val_acc"])
 
@@ -42,6 +45,7 @@ def test_tensorboard_and_result_json(tmp_path):
                 "final_val_loss", "final_train_loss", "steps", "samples_seen", "wall_seconds", "samples_per_sec",
                 "diverged", "peak_lr", "peak_lr_samples", "config"):
         assert key in on_disk
+    assert on_disk["eval_split"] == "val" and len(on_disk["val_history"]) == 3 and on_disk["test_acc"] is not None
     assert on_disk["global_batch"] == 64 and on_disk["steps"] == 24 and on_disk["samples_seen"] == 24 * 64
     assert on_disk["diverged"] is False and math.isfinite(on_disk["final_train_loss"])
     assert on_disk["best_val_acc"] >= on_disk["final_val_acc"] > 0.2  # 10 classes: chance is 0.1
@@ -51,7 +55,7 @@ def test_tensorboard_and_result_json(tmp_path):
 def test_same_seed_same_result(tmp_path):
     a = train(tmp_path / "a", ["model=cnn1d", "trainer.epochs=1", "dist.world_size=2"])
     b = train(tmp_path / "b", ["model=cnn1d", "trainer.epochs=1", "dist.world_size=2"])
-    assert a["final_train_loss"] == b["final_train_loss"] and a["final_val_acc"] == b["final_val_acc"]
+    assert a["final_train_loss"] == b["final_train_loss"] and a["test_history"] == b["test_history"]
 
 
 def test_diverged_run_is_recorded_and_exits_cleanly(tmp_path):
@@ -59,6 +63,23 @@ def test_diverged_run_is_recorded_and_exits_cleanly(tmp_path):
                               "trainer.log_every=1"])
     assert result["diverged"] is True
     assert result["steps"] < 5 * 8
+
+
+def test_evaluations_are_log_spaced_besides_epoch_ends(tmp_path):
+    result = train(tmp_path, ["model=mlp", "trainer.epochs=3", "data.num_train=1280", "trainer.evals=8"])
+    steps = [p["step"] for p in result["test_history"]]  # no validation split: test, named test
+    assert {20, 40, 60} <= set(steps) and steps == sorted(set(steps)) and len(steps) >= 8
+    assert steps[0] == 1  # the first point sits after the first step, then they spread out geometrically
+
+
+def test_without_a_validation_split_nothing_is_named_val(tmp_path):
+    result = train(tmp_path, ["model=mlp", "trainer.epochs=2", "data.val_fraction=0"])
+    assert result["eval_split"] == "test" and result["final_test_acc"] == result["test_acc"]
+    assert not [k for k in result if "val" in k and k != "eval_split"]
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert not [t for t in events.Tags()["scalars"] if "val" in t]
+    assert len(events.Scalars("test/acc")) == len(result["test_history"])
 
 
 def test_validation_split_keeps_test_for_the_end(tmp_path):

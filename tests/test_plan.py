@@ -179,7 +179,7 @@ def test_plan_main_prints_the_table_and_writes_the_png(tmp_path, capsys):
 def test_plan_main_critical_batch_from_a_study(tmp_path, capsys):
     study = tmp_path / "study"
     study.mkdir()
-    (study / "summary.json").write_text(json.dumps({"critical_batch": 100.0}))
+    (study / "summary.json").write_text(json.dumps({"critical_batch": {"fit": None, "gns": 100.0}}))
     code = plan_main(["--model", "mlp", "--repeats", "3", "--max-workers", "4", "--from-study", str(study), "--out",
                       str(tmp_path / "p.png")])
     assert code == 0

@@ -6,16 +6,25 @@ from torch.utils.data import DistributedSampler
 from lbt.data.base import InMemoryDataset
 from lbt.config import BatchPlan
 from lbt.data.batches import StepBatches
-from lbt.dist import shard_indices
+from lbt.dist import epoch_seed, shard_indices
 
 
 def test_shards_are_exactly_distributed_sampler():
     n, world_size, seed, epoch = 103, 4, 7, 3
     table = shard_indices(n, world_size, seed, epoch)
     for worker in range(world_size):
-        sampler = DistributedSampler(range(n), num_replicas=world_size, rank=worker, shuffle=True, seed=seed, drop_last=True)
-        sampler.set_epoch(epoch)
+        sampler = DistributedSampler(range(n), num_replicas=world_size, rank=worker, shuffle=True,
+                                     seed=epoch_seed(seed, epoch), drop_last=True)
         assert table[worker].tolist() == list(sampler)
+
+
+def test_every_seed_and_epoch_orders_the_data_on_its_own():
+    """Seeds are independent replicates: seed 1's epoch e is not seed 0's epoch e + 1 (as seed + epoch made it)."""
+    orders = {(seed, epoch): tuple(shard_indices(1000, 1, seed, epoch)[0].tolist())
+              for seed in range(4) for epoch in range(6)}
+    assert len(set(orders.values())) == len(orders)
+    assert orders[(1, 0)] != orders[(0, 1)] and orders[(2, 3)] != orders[(3, 2)]
+    assert epoch_seed(0, 1) != epoch_seed(1, 0) and epoch_seed(5, 5) == epoch_seed(5, 5)
 
 
 def step_sets(world_size: int, procs: int, global_batch: int, n: int = 1000) -> list[list[set]]:

@@ -17,7 +17,7 @@ def study(tmp_path_factory):
     root = tmp_path_factory.mktemp("study")
     sweep = root / "sweep"
     run = lbt_cli(["train", "-m", "recipe=baseline,goyal2017", "dist.world_size=1,4", "measure=[gns]", *TINY,
-                   f"hydra.sweep.dir={sweep}"], root, timeout=600)
+                   "data.num_train=1024", "data.val_fraction=0.25", f"hydra.sweep.dir={sweep}"], root, timeout=600)
     assert run.returncode == 0, run.stderr
     report = lbt_cli(["report", str(sweep), "--target", "0.15"], root, timeout=120)
     assert report.returncode == 0, report.stderr
@@ -34,34 +34,69 @@ def test_multirun_makes_one_folder_per_job(study):
         assert list(job.glob("events.out.tfevents.*")) and (job / ".hydra" / "config.yaml").exists()
 
 
-def test_report_files_and_numbers_match_the_jobs(study):
-    for name in ("report.md", "accuracy_vs_batch.png", "steps_to_target.png", "summary.json"):
-        assert (study / name).stat().st_size > 0
+def _accuracy_on_each_split(job_dir) -> dict[str, float]:
+    """The job's final model scored here, independently of lbt's bookkeeping, on its val and test splits."""
+    import torch
+
+    from lbt.train import build
+
+    config = json.loads((job_dir / "result.json").read_text())["config"]
+    data = build(config["data"], "data")
+    model = build(config["model"], "model", input_shape=tuple(data.input_shape), num_classes=data.num_classes)
+    model.load_state_dict(torch.load(job_dir / "final_model.pt", weights_only=True))
+    model.eval()
+    with torch.no_grad():
+        return {split: (model(d.x).argmax(1) == d.y).float().mean().item()
+                for split, d in (("val", data.val), ("test", data.test))}
+
+
+def test_no_val_named_number_holds_test_data(study):
+    """Acceptance: val-named fields, columns and tags hold val numbers; test numbers are there, named test."""
     summary = json.loads((study / "summary.json").read_text())
+    report = (study / "report.md").read_text()
+    events = EventAccumulator(str(study / "tb_summary"))
+    events.Reload()
     assert len(summary["jobs"]) == 4
     for job in summary["jobs"]:
         result = json.loads((study / job["job_dir"] / "result.json").read_text())
-        for key in ("final_val_acc", "best_val_acc", "steps", "global_batch", "world_size", "samples_per_sec"):
-            assert job[key] == result[key]
+        scored = _accuracy_on_each_split(study / job["job_dir"])
+        assert result["eval_split"] == "val" and result["final_val_acc"] == pytest.approx(scored["val"], abs=1e-6)
+        assert result["val_history"][-1]["acc"] == result["final_val_acc"]
+        assert result["test_acc"] == pytest.approx(scored["test"], abs=1e-6) == result["test/acc"]
+        assert job["final_val_acc"] == result["final_val_acc"] and job["test_acc"] == result["test_acc"]
+        row = next(r for r in summary["rows"] if r["recipe"] == job["recipe"] and r["global_batch"] == job["global_batch"])
+        assert row["split"] == "val" and row["final_acc"] == result["final_val_acc"]
+        assert row["test_acc"] == result["test_acc"]
+        # report.md: the final val column holds val, the test column test
+        assert f"| {job['global_batch']:,} | {job['world_size']} | 1 | {result['final_val_acc']:.4f} | " in report
+        assert f"| {result['test_acc']:.4f} |" in report
+        # TensorBoard: study/<recipe>/val_acc and test_acc, and the job's own val/ and test/ tags
+        val = {e.step: e.value for e in events.Scalars(f"study/{job['recipe']}/val_acc")}
+        test = {e.step: e.value for e in events.Scalars(f"study/{job['recipe']}/test_acc")}
+        assert val[job["global_batch"]] == pytest.approx(result["final_val_acc"])
+        assert test[job["global_batch"]] == pytest.approx(result["test_acc"])
+        own = EventAccumulator(str(study / job["job_dir"]))
+        own.Reload()
+        assert own.Scalars("val/acc")[-1].value == pytest.approx(scored["val"], abs=1e-6)
+        assert [e.value for e in own.Scalars("test/acc")] == [pytest.approx(scored["test"], abs=1e-6)]
+    assert "**val** is held out of the training set" in report
+
+
+def test_report_files_and_numbers_match_the_jobs(study):
+    for name in ("report.md", "accuracy_vs_batch.png", "steps_to_target.png", "gns_over_training.png",
+                 "summary.json"):
+        assert (study / name).stat().st_size > 0
+    summary = json.loads((study / "summary.json").read_text())
     rows = {(r["recipe"], r["global_batch"]): r for r in summary["rows"]}
     assert set(rows) == {("baseline", 32), ("baseline", 128), ("goyal2017", 32), ("goyal2017", 128)}
-    for (recipe, batch), row in rows.items():
-        job = next(j for j in summary["jobs"] if j["recipe"] == recipe and j["global_batch"] == batch)
-        assert row["final_acc"] == job["final_val_acc"] and job["series"] == recipe
     assert rows[("baseline", 32)]["gap"] == 0.0
-    # the gradient noise scale of the W=4 jobs gives the critical-batch estimate
-    assert summary["critical_batch"] is not None and math.isfinite(summary["critical_batch"])
+    # the gradient noise scale of the W=4 jobs over their last 20% gives the GNS critical batch;
+    # two batches are too few for the steps-to-target fit, and the report says so
+    crit = summary["critical_batch"]
+    assert crit["series"] == "baseline" and crit["gns"] is not None and math.isfinite(crit["gns"])
+    assert crit["fit"] is None and "at least 3 distinct batches" in crit["fit_error"]
     report = (study / "report.md").read_text()
-    assert "## baseline" in report and "## goyal2017" in report and "Critical batch" in report
-
-
-def test_tensorboard_summary_uses_the_global_batch_as_step(study):
-    events = EventAccumulator(str(study / "tb_summary"))
-    events.Reload()
-    for recipe in ("baseline", "goyal2017"):
-        assert [e.step for e in events.Scalars(f"study/{recipe}/val_acc")] == [32, 128]
-    hparam_runs = [p for p in (study / "tb_summary").iterdir() if p.is_dir()]
-    assert len(hparam_runs) == 4
+    assert "## baseline" in report and "## goyal2017" in report and "## Critical batch" in report
 
 
 def test_a_diverged_or_failed_job_is_reported_not_fatal(tmp_path):
@@ -75,8 +110,8 @@ def test_a_diverged_or_failed_job_is_reported_not_fatal(tmp_path):
     assert report.returncode == 0, report.stderr
     summary = json.loads((sweep / "summary.json").read_text())
     assert len(summary["jobs"]) == 4
-    assert sum(bool(j["diverged"]) for j in summary["jobs"]) == 1
-    errors = [j for j in summary["jobs"] if j["error"]]
+    assert sum(bool(j.get("diverged")) for j in summary["jobs"]) == 1
+    errors = [j for j in summary["jobs"] if j.get("error")]
     assert len(errors) == 2 and all("not divisible" in j["error"] for j in errors)
     report = (sweep / "report.md").read_text()
     assert "diverged 1/2" in report and "error 1/2" in report and "## Failed jobs" in report
@@ -99,18 +134,19 @@ def test_study_configs_compose(tmp_path):
         assert "mode: MULTIRUN" in out.stdout and "dist.world_size" in out.stdout
 
 
-def _job(folder, recipe: str, world_size: int, seed: int, accs: list[float], b_simple: float) -> None:
+def _job(folder, recipe: str, world_size: int, seed: int, accs: list[float], b_simple: float, test: float,
+         split: str = "val") -> None:
     """A job folder as `lbt train -m` leaves it: its result.json (same fields the trainer writes)."""
     folder.mkdir(parents=True)
     global_batch, steps_per_epoch = 32 * world_size, 1024 // (32 * world_size)
     history = [{"step": steps_per_epoch * (e + 1), "samples_seen": 1024 * (e + 1), "global_batch": global_batch,
-                "val_acc": acc} for e, acc in enumerate(accs)]
+                "acc": acc, "loss": 1.0} for e, acc in enumerate(accs)]
     (folder / "result.json").write_text(json.dumps({
         "recipe": recipe, "overrides": [f"recipe={recipe}", f"dist.world_size={world_size}", f"trainer.seed={seed}"],
         "world_size": world_size, "procs": 1, "per_worker_batch": 32, "global_batch": global_batch, "seed": seed,
-        "final_val_acc": accs[-1], "best_val_acc": max(accs), "test_acc": None, "steps": history[-1]["step"],
-        "samples_per_sec": 1000.0 * (seed + 1), "diverged": False, "val_history": history,
-        "technique_metrics": {"gns/b_simple": b_simple},
+        "eval_split": split, f"final_{split}_acc": accs[-1], f"best_{split}_acc": max(accs), "test_acc": test,
+        "steps": history[-1]["step"], "samples_per_sec": 1000.0 * (seed + 1), "diverged": False,
+        f"{split}_history": history, "technique_curves": {"gns/b_simple": [[1024, b_simple / 2], [2048, b_simple]]},
     }))
 
 
@@ -125,24 +161,43 @@ def test_report_averages_seeds_with_their_spread(tmp_path):
     n = 0
     for (recipe, world_size), per_seed in accs.items():
         for seed, history in enumerate(per_seed):
-            _job(tmp_path / str(n), recipe, world_size, seed, history, b_simple=100.0 + n)
+            _job(tmp_path / str(n), recipe, world_size, seed, history, b_simple=100.0 + n, test=history[-1] - 0.01)
             n += 1
     summary = write_report(tmp_path, target=0.85)
     rows = {(r["recipe"], r["global_batch"]): r for r in summary["rows"]}
     base, big, lars = rows[("baseline", 32)], rows[("baseline", 256)], rows[("lars", 256)]
     assert base["seeds"] == 2 and base["final_acc"] == pytest.approx(0.92)
     assert base["final_acc_std"] == pytest.approx(0.0282843, rel=1e-4)  # sample std of 0.90, 0.94
-    assert big["gap"] == pytest.approx(-20.0) and lars["gap"] == pytest.approx(-3.0)
-    # steps to 0.85 (Shallue et al.): baseline@32 reaches it after epoch 1 (step 32) and epoch 2 (step 64)
-    assert base["steps_to_target"] == pytest.approx(48.0) and base["steps_to_target_std"] == pytest.approx(22.627417)
+    assert base["test_acc"] == pytest.approx(0.91)
+    assert big["gap"] == pytest.approx(-20.0) and lars["gap"] == pytest.approx(-3.0)  # on test
+    # steps to 0.85, interpolated between evaluations (from step 0 at accuracy 0 before the first):
+    # baseline@32 seed 0 crosses in its first 32 steps, seed 1 between step 32 (0.70) and 64 (0.94)
+    crossings = [32 * 0.85 / 0.86, 32 + 32 * (0.85 - 0.70) / (0.94 - 0.70)]
+    assert base["steps_to_target"] == pytest.approx(sum(crossings) / 2)
     assert big["steps_to_target"] is None  # one seed never reached the target
-    assert lars["steps_to_target"] == pytest.approx(6.0)  # epoch 1 (4 steps) and epoch 2 (8 steps)
-    assert summary["critical_batch"] == pytest.approx(101.5)  # median over the baseline rows' medians
+    assert lars["steps_to_target"] == pytest.approx((4 + 4 + 4 * 0.05 / 0.10) / 2)
+    # B_simple: each run's median over its last 20% of training (its last point), median over the baseline rows
+    assert summary["critical_batch"]["gns"] == pytest.approx(101.5)
     report = (tmp_path / "report.md").read_text()
     assert "| 32 | 1 | 2 | 0.9200 ± 0.0283 |" in report and "| 256 | 8 | 2 | 0.7200 ± 0.0283 |" in report
     events = EventAccumulator(str(tmp_path / "tb_summary"))
     events.Reload()
     assert [(e.step, round(e.value, 4)) for e in events.Scalars("study/baseline/val_acc")] == [(32, 0.92), (256, 0.72)]
+
+
+def test_a_study_without_a_validation_split_names_test(tmp_path):
+    from lbt.report import write_report
+
+    for n, (world_size, accs) in enumerate([(1, [0.5, 0.8]), (2, [0.4, 0.7]), (4, [0.3, 0.6])]):
+        _job(tmp_path / str(n), "baseline", world_size, 0, accs, b_simple=50.0, test=accs[-1], split="test")
+    summary = write_report(tmp_path)
+    report = (tmp_path / "report.md").read_text()
+    assert "no validation split" in report and "final test acc" in report and "val acc" not in report
+    assert not [k for job in summary["jobs"] for k in job if "val" in k and k != "eval_split"]
+    events = EventAccumulator(str(tmp_path / "tb_summary"))
+    events.Reload()
+    assert not [t for t in events.Tags()["scalars"] if "val" in t]
+    assert summary["target_acc"] == pytest.approx(0.8 - 0.01)  # the base batch's final accuracy minus 1 point
 
 
 def test_lbt_study_runs_its_extra_grid_into_the_same_report(tmp_path):

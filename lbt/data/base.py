@@ -49,14 +49,14 @@ def train_size(n: int, val_fraction: float) -> int:
 class DataSplits:
     """Datasets of one run.
 
-    `val` is what the per-epoch evaluation measures. When a validation split is
-    carved from the training set, `test` holds the untouched test split, which
-    is evaluated once at the end; otherwise `test` is None and `val` is the test
-    split.
+    `val` is held out of the training set (data.val_fraction) and is what runs
+    select on: it is evaluated during training. `test` is evaluated once, at the
+    end. Without a validation split (val_fraction 0) `val` is None and the run
+    evaluates `test` during training, under test's name.
     """
 
     train: Dataset
-    val: Dataset
+    val: Dataset | None
     test: Dataset | None
     num_classes: int
     input_shape: tuple[int, ...]
@@ -73,18 +73,21 @@ def split_validation(
 ) -> DataSplits:
     """Hold out a fixed random `val_fraction` of `train` as the validation split.
 
-    With val_fraction == 0 the test split is what the per-epoch evaluation
-    measures (val=test, test=None). Otherwise the held-out samples depend only
-    on `val_seed` and the training set size, so every run and every worker
+    With val_fraction == 0 there is no validation split (val=None). Otherwise
+    the held-out samples depend only on `val_seed` and the training set size,
+    so every run and every worker
     carves the same split. `eval_train`, when given, holds the same samples as
     `train` with evaluation transforms: validation samples are taken from it so
     they are not augmented.
     """
     input_shape = tuple(int(s) for s in input_shape)
     if not 0.0 <= val_fraction < 1.0:
-        raise ConfigError(f"data.val_fraction={val_fraction}: must be in [0, 1) (0 = validate on the test split)")
+        raise ConfigError(f"data.val_fraction={val_fraction}: must be in [0, 1) (0 = no validation split)")
     if val_fraction == 0.0:
-        return DataSplits(train, val=test, test=None, num_classes=num_classes, input_shape=input_shape)
+        if test is None:
+            raise ConfigError("data.val_fraction=0 and the data has no test split: nothing to evaluate; "
+                              "hold out a validation split with data.val_fraction > 0")
+        return DataSplits(train, val=None, test=test, num_classes=num_classes, input_shape=input_shape)
 
     n = len(train)
     n_val = n - train_size(n, val_fraction)

@@ -8,6 +8,7 @@ Where each hook fires in a run (lbt/train.py builds, lbt/trainer.py loops):
     for t in techniques: loss_fn = t.on_loss(loss_fn)            # label smoothing
     plans = [base_plan] * epochs
     for t in techniques: plans = t.plan_epochs(plans, num_train) # batch ramp
+    for t in techniques: t.check_plan(plan) for each plan        # refuse a layout it cannot serve
     optimizer = create_optimizer(model)                           # once (lbt/optim/factory.py)
     schedule = build_schedule(...)                                # the LR (lbt/lr.py)
     ddp = DistributedDataParallel(model)                          # when procs > 1
@@ -17,13 +18,15 @@ Where each hook fires in a run (lbt/train.py builds, lbt/trainer.py loops):
         for t in techniques: t.on_epoch_start(epoch, model)       # BN statistics reset
         for step:
             lr = lr_at(samples_seen, schedule)
+            if a technique wants_worker_gradient:                 # beside the step, changing nothing:
+                t.on_worker_gradient(worker 0's own gradient, per_worker_batch, workers)  # noise scale
             for worker in local workers: forward, backward        # no_sync but the last (or fused)
-                (first worker alone, if a technique wants_worker_gradient:
-                 t.on_worker_gradient(model, per_worker_batch, workers))  # gradient noise scale
+                (t.simulated_comm: each simulated worker's gradient compressed, as on its GPU)
             for t in techniques: t.after_backward(model, progress)  # clipping, measurements
             optimizer.step()
-        for t in techniques: t.before_eval(model)                 # BN recalibration
-        evaluate()
+            at evaluation steps (log-spaced, and each epoch's end):
+                for t in techniques: t.before_eval(model)         # BN recalibration
+                evaluate(); for t in techniques: t.after_eval(step, samples_seen, acc)
 
 Techniques run in ascending `order` at every hook (a declared order, so a
 recipe's list order does not matter): model surgery before initialisation
@@ -58,9 +61,12 @@ class Technique:
 
     order: ClassVar[int] = 50
     name: ClassVar[str] = "technique"
-    # True: the trainer back-propagates a process's first worker on its own
-    # and calls on_worker_gradient with that single worker's gradient.
+    # True: the trainer computes a process's first worker's gradient on its own, beside
+    # the step, and calls on_worker_gradient with it.
     wants_worker_gradient: ClassVar[bool] = False
+    # What stands in for the allreduce between the simulated workers of one process, when the
+    # technique changes what an allreduce sends (compression); see lbt.techniques.comm_compression.
+    simulated_comm = None
 
     def on_model(self, model: nn.Module) -> nn.Module:
         return model
@@ -76,6 +82,9 @@ class Technique:
         """
         return plans
 
+    def check_plan(self, plan: BatchPlan) -> None:
+        """Refuse, with one ConfigError line, a batch layout the technique cannot serve as real workers would."""
+
     def comm_hook(self, inner: CommHook, ddp_model: nn.Module) -> CommHook:
         """The gradient allreduce with this technique's part added (real processes only).
 
@@ -89,14 +98,17 @@ class Technique:
     def on_epoch_start(self, epoch: int, model: nn.Module) -> None:
         pass
 
-    def on_worker_gradient(self, model: nn.Module, per_worker_batch: int, workers: int) -> None:
-        """Gradients hold the first local worker's gradient divided by `workers`."""
+    def on_worker_gradient(self, grads: list[torch.Tensor], per_worker_batch: int, workers: int) -> None:
+        """The first local worker's own gradient (of its mean loss), one tensor per trainable parameter."""
 
     def after_backward(self, model: nn.Module, progress: Progress) -> None:
         """After the step's gradient is averaged over all workers, before optimizer.step()."""
 
     def before_eval(self, model: nn.Module) -> None:
         pass
+
+    def after_eval(self, step: int, samples_seen: int, acc: float) -> None:
+        """After each evaluation of the held-out split (val, or test without a validation split)."""
 
     def state_dict(self) -> dict:
         """What a checkpoint must keep for an exact resume (plain values and tensors), per rank."""
@@ -107,6 +119,10 @@ class Technique:
 
     def metrics(self) -> dict[str, float]:
         """Scalars to log (TensorBoard tag -> value) and to keep in result.json."""
+        return {}
+
+    def curves(self) -> dict[str, list[list[float]]]:
+        """Series over the run to keep in result.json: name -> [[samples_seen, value], ...]."""
         return {}
 
     def describe(self) -> str:

@@ -5,10 +5,13 @@ cast back; torch `default_hooks`); powersgd sends a rank-r approximation of
 each gradient matrix, with error feedback (Vogels, Karimireddy, Jaggi 2019,
 "PowerSGD"; torch `powerSGD_hook`), after `start_powersgd_iter` plain steps.
 
-Compression acts only on the allreduce between processes: the simulated
-workers inside a process are summed exactly, so with compression a run's
-result depends on dist.procs, not only on dist.world_size. With one process
-there is no allreduce and no DDP wrapper, and the technique does nothing.
+Real workers (one per process) compress through DDP's hook. Simulated workers
+of one process compress as their GPUs would: each worker's gradient is cast to
+the wire's 16-bit type and the sum taken in that type (`SimulatedAllreduce`),
+so a simulated run agrees with a real one within 16-bit rounding. What cannot
+be simulated is refused in one line (`check_plan`): PowerSGD across simulated
+workers (its per-worker error feedback and warm start), and simulated workers
+in several processes. With one worker in all there is no allreduce to compress.
 
 gloo on CPU (torch 2.14.1, 2 processes, DDP on a small MLP, 3 steps,
 tests/test_techniques_model.py pins it): fp16, bf16 and powersgd all work;
@@ -38,6 +41,9 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from lbt.checkpoint import numpy_rng_state, numpy_rng_tuple
+from lbt.config import BatchPlan
+from lbt.dist import note
+from lbt.errors import ConfigError
 from lbt.techniques.base import CommHook, Technique
 from lbt.validate import integer, one_of
 
@@ -69,6 +75,31 @@ def compressed_bytes(shape: tuple[int, ...], kind: str, rank: int = 1, min_compr
     return FP32_BYTES * numel
 
 
+class SimulatedAllreduce:
+    """The fp16/bf16-compressed allreduce among the simulated workers of one process.
+
+    torch's fp16_compress_hook casts each worker's gradient to 16 bits, sums the
+    casts in 16 bits across workers and casts the mean back to fp32; here the
+    trainer hands over each worker's gradient in turn (`send`), and `receive`
+    puts the 16-bit sum back as the step's gradient.
+    """
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def send(self, model: nn.Module, sent: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """Add this worker's gradient (the model's .grad, then cleared) to the 16-bit sum so far."""
+        params = [p for p in model.parameters() if p.grad is not None]
+        wire = [p.grad.to(self.dtype) for p in params]
+        for p in params:
+            p.grad = None
+        return wire if sent is None else [total.add_(part) for total, part in zip(sent, wire)]
+
+    def receive(self, model: nn.Module, sent: list[torch.Tensor]) -> None:
+        for p, total in zip([p for p in model.parameters() if p.requires_grad], sent):
+            p.grad = total.to(p.dtype)
+
+
 class CommCompression(Technique):
     """Register a DDP communication hook compressing the gradient allreduce."""
 
@@ -82,11 +113,25 @@ class CommCompression(Technique):
         integer("technique.comm_compression.start_powersgd_iter", start_powersgd_iter, 2)
         self.kind, self.powersgd_rank, self.start_powersgd_iter = kind, powersgd_rank, start_powersgd_iter
         self.bytes_ratio: float | None = None  # fp32 bytes / compressed bytes per step, once registered
+        dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
+        self.simulated_comm = SimulatedAllreduce(dtypes[kind]) if kind in dtypes else None
         self.powersgd_state: powerSGD_hook.PowerSGDState | None = None  # created with the hook
         self.device: torch.device | None = None  # of the gradients, where the state's tensors live
         self.param_index: dict[int, int] = {}  # id of a parameter -> its index among the model's parameters
         self.layouts: dict[int, list[int]] = {}  # DDP bucket index -> its parameters' indices, in order
         self.resumed_layouts: dict[int, list[int]] | None = None  # the checkpoint's, until DDP's buckets match
+
+    def check_plan(self, plan: BatchPlan) -> None:
+        key = f"technique.comm_compression.kind={self.kind}"
+        if plan.world_size == 1:
+            note(f"{key}: one worker in all, so there is no allreduce to compress")
+        elif plan.workers_per_proc > 1 and self.kind == "powersgd":
+            raise ConfigError(f"{key}: PowerSGD's per-worker error feedback is not simulated across the "
+                              f"{plan.workers_per_proc} simulated workers of a process; run one process per "
+                              "worker (dist.procs=dist.world_size) or use fp16/bf16")
+        elif plan.workers_per_proc > 1 and plan.procs > 1:
+            raise ConfigError(f"{key}: compression is simulated with all workers in one process (dist.procs=1) "
+                              "or run for real with one process per worker (dist.procs=dist.world_size)")
 
     def comm_hook(self, inner: CommHook, ddp_model: nn.Module) -> CommHook:
         # Replaces the allreduce: the compressed hooks reduce the bucket themselves.

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lbt.config import BatchPlan
+from lbt.dist import note
 from lbt.techniques.base import CommHook, Progress, Technique
 
 
@@ -73,9 +75,10 @@ class GradientNoiseScale(Technique):
     """Measure B_simple every step: a running estimate of the critical batch size.
 
     The small batch is one worker's batch b. With several workers per process
-    the trainer back-propagates the first worker alone and calls
-    on_worker_gradient; with one worker per process (real workers) a DDP
-    communication hook reads the local gradient before the allreduce. Needs
+    the trainer computes the first worker's gradient on its own, beside the step,
+    and calls on_worker_gradient; with one worker per process (real workers) a
+    DDP communication hook reads the local gradient before the allreduce. Either
+    way the step itself is the one the run takes without the measurement. Needs
     world_size >= 2; with one worker there is nothing to compare, and the
     technique records nothing. Order 80: before gradient clipping.
     """
@@ -90,10 +93,15 @@ class GradientNoiseScale(Technique):
         self.worker_sq: torch.Tensor | None = None
         self.worker_batch: int | None = None
         self.hook_sq: torch.Tensor | None = None
+        # B_simple at each evaluation: how the estimate moves over training (it grows as the loss falls).
+        self.curve: list[list[float]] = []
 
-    def on_worker_gradient(self, model: nn.Module, per_worker_batch: int, workers: int) -> None:
-        # The accumulated gradient is g_b / workers at this point (loss scaled by 1/k).
-        self.worker_sq = grad_sq_norm(model) * workers**2
+    def check_plan(self, plan: BatchPlan) -> None:
+        if plan.world_size == 1:
+            note("measure gns: one worker in all, so no smaller batch to compare with: no noise scale is measured")
+
+    def on_worker_gradient(self, grads: list[torch.Tensor], per_worker_batch: int, workers: int) -> None:
+        self.worker_sq = torch.stack([g.double().pow(2).sum() for g in grads]).sum()
         self.worker_batch = per_worker_batch
 
     def comm_hook(self, inner: CommHook, ddp_model: nn.Module) -> CommHook:
@@ -124,16 +132,26 @@ class GradientNoiseScale(Technique):
         self.estimator.update(worker_sq.item(), grad_sq_norm(model).item(), small_batch, progress.global_batch,
                               population)
 
+    def after_eval(self, step: int, samples_seen: int, acc: float) -> None:
+        if self.estimator.weight:
+            self.curve.append([samples_seen, self.estimator.b_simple])
+
     def metrics(self) -> dict[str, float]:
         return self.estimator.state()
 
+    def curves(self) -> dict[str, list[list[float]]]:
+        return {"gns/b_simple": list(self.curve)}
+
     def state_dict(self) -> dict:
         e = self.estimator
-        return {"grad_sq": e.grad_sq, "trace": e.trace, "weight": e.weight}
+        return {"grad_sq": e.grad_sq, "trace": e.trace, "weight": e.weight, "curve": [list(p) for p in self.curve]}
 
     def load_state_dict(self, state: dict) -> None:
-        for key, value in state.items():
-            setattr(self.estimator, key, value)
+        if not state:  # the checkpoint was written without this measurement
+            return
+        self.curve = [list(p) for p in state["curve"]]
+        for key in ("grad_sq", "trace", "weight"):
+            setattr(self.estimator, key, state[key])
 
     def describe(self) -> str:
         return "gradient noise scale (B_simple)"

@@ -6,9 +6,8 @@ Classification at Supercomputer Scale").
 
 torch's SyncBatchNorm synchronizes across processes only, and only on CUDA
 (its forward rejects CPU tensors once a process group is up). lbt's simulated
-workers share one process and run one after another, so SyncBatchNorm does not
-pool their statistics: sync_bn gives the intended BN batch only with
-dist.world_size == dist.procs. The hooks cannot see world_size, hence no check.
+workers share one process, so SyncBatchNorm would not pool their statistics:
+sync_bn refuses a run with simulated workers (dist.world_size != dist.procs).
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lbt.config import BatchPlan
 from lbt.errors import ConfigError
 from lbt.techniques.base import Technique
 
@@ -39,6 +39,12 @@ class SyncBN(Technique):
     def __init__(self, device: str = "auto"):
         self.device = str(device)
         self.converted: int | None = None
+
+    def check_plan(self, plan: BatchPlan) -> None:
+        if plan.workers_per_proc > 1:
+            raise ConfigError(f"technique.sync_bn pools BN statistics across processes, not across the "
+                              f"{plan.workers_per_proc} simulated workers of one; run with "
+                              "dist.procs=dist.world_size")
 
     def on_model(self, model: nn.Module) -> nn.Module:
         on_cuda = any(p.is_cuda for p in model.parameters()) or runs_on_cuda(self.device, torch.cuda.is_available())
