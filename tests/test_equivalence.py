@@ -57,8 +57,8 @@ def test_batchnorm_model_real_equals_simulated_but_not_single_worker(tmp_path, f
     assert relative_diff(real, single) > 1e-3
     # evaluation uses the workers' averaged running stats: the same in every W=4 layout
     for other in results[1:3]:
-        assert results[0]["final_val_acc"] == pytest.approx(other["final_val_acc"], abs=1e-9)
-        assert results[0]["final_val_loss"] == pytest.approx(other["final_val_loss"], rel=1e-4)
+        assert results[0]["final_test_acc"] == pytest.approx(other["final_test_acc"], abs=1e-9)
+        assert results[0]["final_test_loss"] == pytest.approx(other["final_test_loss"], rel=1e-4)
 
 
 @pytest.mark.slow
@@ -70,5 +70,5 @@ def test_bn_epoch_average_is_the_same_fused_and_sequential(tmp_path):
     fused = train(tmp_path / "fused", common + ["dist.fuse_workers=true"])
     sequential = train(tmp_path / "seq", common + ["dist.fuse_workers=false"])
     assert relative_diff(final_params(tmp_path / "fused"), final_params(tmp_path / "seq")) < 1e-5
-    assert fused["final_val_loss"] == pytest.approx(sequential["final_val_loss"], rel=1e-4)
-    assert fused["final_val_acc"] == pytest.approx(sequential["final_val_acc"], abs=1e-9)
+    assert fused["final_test_loss"] == pytest.approx(sequential["final_test_loss"], rel=1e-4)
+    assert fused["final_test_acc"] == pytest.approx(sequential["final_test_acc"], abs=1e-9)

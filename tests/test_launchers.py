@@ -48,7 +48,7 @@ def test_torchrun_matches_local_launcher(tmp_path):
     assert job.returncode == 0, out
     a, b = read_result(tmp_path / "local"), read_result(tmp_path / "torchrun")
     assert b["world_size"] == 2 and b["procs"] == 2  # W defaults to torchrun's world size
-    assert a["final_val_acc"] == b["final_val_acc"]
+    assert a["final_test_acc"] == b["final_test_acc"]
     assert relative_diff(final_params(tmp_path / "local"), final_params(tmp_path / "torchrun")) < 1e-6
     # only rank 0 wrote a run folder: no stray Hydra folders from rank 1
     assert not (tmp_path / "runs").exists() and not (tmp_path / "outputs").exists()

@@ -18,7 +18,7 @@ from conftest import FAST, lbt_cli
 EPOCHS = 4
 STEPS_PER_EPOCH = 16  # 2048 samples / global batch 128
 RUN = FAST + ["model=cnn1d", "data.num_train=2048", f"trainer.epochs={EPOCHS}", "trainer.log_every=2",
-              "trainer.global_batch=128", "measure=[gns]"]
+              "trainer.global_batch=128", "measure=[gns]", "trainer.evals=0"]
 LAYOUTS = {"simulated": ["dist.world_size=2"], "real": ["dist.world_size=2", "dist.procs=2"]}
 
 
@@ -39,12 +39,12 @@ def assert_same_run(straight: Path, resumed: Path) -> None:
     b = torch.load(resumed / "final_model.pt", weights_only=True)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     ra, rb = (json.loads((d / "result.json").read_text()) for d in (straight, resumed))
-    for key in ("final_train_loss", "final_val_loss", "final_val_acc", "steps", "samples_seen", "val_history",
+    for key in ("final_train_loss", "final_test_loss", "final_test_acc", "steps", "samples_seen", "test_history",
                 "technique_metrics"):
         assert ra[key] == rb[key], key
     events = EventAccumulator(str(resumed))
     events.Reload()
-    assert [e.step for e in events.Scalars("val/acc")] == [STEPS_PER_EPOCH * (e + 1) for e in range(EPOCHS)]
+    assert [e.step for e in events.Scalars("test/acc")] == [STEPS_PER_EPOCH * (e + 1) for e in range(EPOCHS)]
     train_steps = [e.step for e in events.Scalars("train/loss")]
     assert train_steps == sorted(set(train_steps))  # no step logged twice
 
