@@ -68,6 +68,7 @@ class Result:
     steps: int = 0
     samples_seen: int = 0
     train_seconds: float = 0.0
+    eval_seconds: float = 0.0  # evaluating the held-out split during training (not in train_seconds)
     wall_seconds: float = 0.0
     samples_per_sec: float = 0.0
     diverged: bool = False
@@ -193,9 +194,10 @@ class Trainer:
         """Epochs until the budget is spent, the loss diverges or a signal asks to stop."""
         started = time.perf_counter()
         while self.state.step < self.budget.total_steps:
-            epoch_start = time.perf_counter()
+            epoch_start, evaluating = time.perf_counter(), self.result.eval_seconds
             train_loss = self.train_epoch()
-            self.result.train_seconds += time.perf_counter() - epoch_start
+            # Training time only: the evaluations inside the epoch count in eval_seconds.
+            self.result.train_seconds += time.perf_counter() - epoch_start - (self.result.eval_seconds - evaluating)
             if self.result.stopped:
                 self.save_checkpoint()
                 s = self.state
@@ -282,7 +284,9 @@ class Trainer:
     def validate(self, plan: BatchPlan) -> EvalPoint:
         """Evaluate the held-out split now; record, log and hand the point to the techniques."""
         s, result, split = self.state, self.result, self.eval_split
+        started = time.perf_counter()
         result.final_loss, result.final_acc = self.evaluate(self.eval_set)
+        result.eval_seconds += time.perf_counter() - started
         point = EvalPoint(s.step, s.samples_seen, plan.global_batch, result.final_acc, result.final_loss)
         result.history.append(point)
         self.log.scalars({f"{split}/loss": point.loss, f"{split}/acc": point.acc}, s.step, s.samples_seen)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,11 @@ def train(run_dir: Path, overrides: list[str]) -> dict:
     """One run through `lbt.train.run`, as `lbt train OVERRIDES` would do it."""
     cfg, recipe = compose_config(FAST + overrides)
     return run(cfg, run_dir, recipe=recipe)
+
+
+def names_val(key: str) -> bool:
+    """Whether a result field or TensorBoard tag is named after the val split (val/acc, final_val_acc, val_history)."""
+    return re.search(r"(^|[_/])val([_/]|$)", key) is not None
 
 
 def final_params(run_dir: Path) -> torch.Tensor:

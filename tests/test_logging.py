@@ -7,7 +7,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from conftest import train
+from conftest import names_val, train
 
 
 def test_tensorboard_and_result_json(tmp_path):
@@ -75,10 +75,10 @@ def test_evaluations_are_log_spaced_besides_epoch_ends(tmp_path):
 def test_without_a_validation_split_nothing_is_named_val(tmp_path):
     result = train(tmp_path, ["model=mlp", "trainer.epochs=2", "data.val_fraction=0"])
     assert result["eval_split"] == "test" and result["final_test_acc"] == result["test_acc"]
-    assert not [k for k in result if "val" in k and k != "eval_split"]
+    assert not [k for k in result if names_val(k)]
     events = EventAccumulator(str(tmp_path))
     events.Reload()
-    assert not [t for t in events.Tags()["scalars"] if "val" in t]
+    assert not [t for t in events.Tags()["scalars"] if names_val(t)]
     assert len(events.Scalars("test/acc")) == len(result["test_history"])
 
 

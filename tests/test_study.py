@@ -6,7 +6,7 @@ import math
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import lbt_cli
+from conftest import names_val, lbt_cli
 
 TINY = ["data=synthetic", "model=mlp", "trainer.epochs=2", "trainer.progress=false", "trainer.per_worker_batch=32"]
 
@@ -193,10 +193,10 @@ def test_a_study_without_a_validation_split_names_test(tmp_path):
     summary = write_report(tmp_path)
     report = (tmp_path / "report.md").read_text()
     assert "no validation split" in report and "final test acc" in report and "val acc" not in report
-    assert not [k for job in summary["jobs"] for k in job if "val" in k and k != "eval_split"]
+    assert not [k for job in summary["jobs"] for k in job if names_val(k)]
     events = EventAccumulator(str(tmp_path / "tb_summary"))
     events.Reload()
-    assert not [t for t in events.Tags()["scalars"] if "val" in t]
+    assert not [t for t in events.Tags()["scalars"] if names_val(t)]
     assert summary["target_acc"] == pytest.approx(0.8 - 0.01)  # the base batch's final accuracy minus 1 point
 
 
