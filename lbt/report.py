@@ -164,20 +164,8 @@ def _is_baseline(recipe: str) -> bool:
     return recipe.split(" (")[0] == "baseline"
 
 
-def critical_batch(jobs: list[dict], rows: list[Row], target: float | None) -> dict:
-    """The critical batch two ways, on the baseline's jobs (any recipe's without a baseline).
-
-    fit: S = S_min (1 + B_noise / B) fitted to each job's interpolated steps to
-    `target` across global batches (McCandlish et al. 2018, eq. 2.11), with a
-    90% bootstrap interval over seeds; gns: the median over jobs of B_simple
-    summarised over the last GNS_WINDOW of training.
-    """
-    series = "baseline" if any(_is_baseline(r.recipe) for r in rows) else (rows[0].recipe if rows else None)
-    result = {"series": series, "target": target, "fit": None, "fit_interval": None, "s_min": None, "e_min": None,
-              "fit_points": 0, "fit_error": None, "gns": None, "gns_window": GNS_WINDOW, "ratio": None}
-    own = [r for r in rows if r.recipe == series]
-    b_simple = [r.b_simple for r in own if r.b_simple is not None]
-    result["gns"] = statistics.median(b_simple) if b_simple else None
+def _crossings(jobs: list[dict], series: str, target: float | None) -> dict[int, list[float]]:
+    """Each trained job's interpolated steps to `target`, by global batch, for one series."""
     points: dict[int, list[float]] = {}
     for job in jobs:
         if job.get("series") != series or "error" in job or job.get("diverged") or target is None:
@@ -185,15 +173,36 @@ def critical_batch(jobs: list[dict], rows: list[Row], target: float | None) -> d
         step = crossing_step(_on(job, "{}_history") or [], target)
         if step is not None and step > 0:
             points.setdefault(int(job["global_batch"]), []).append(step)
-    result["fit_points"] = sum(len(v) for v in points.values())
+    return points
+
+
+def critical_batch(jobs: list[dict], rows: list[Row], target: float | None) -> dict:
+    """The critical batch two ways, on one series: the baseline, unless fewer than 3 of its batches
+    reach the target, then the series with the most batches that do (the report names it).
+
+    fit: S = S_min (1 + B_noise / B) fitted to each job's interpolated steps to
+    `target` across global batches (McCandlish et al. 2018, eq. 2.11), with a
+    90% bootstrap interval over seeds; gns: the median over the series' jobs of
+    B_simple summarised over the last GNS_WINDOW of training.
+    """
+    names = sorted({r.recipe for r in rows}, key=lambda name: (not _is_baseline(name), name))
+    reached = {name: _crossings(jobs, name, target) for name in names}
+    series = names[0] if names else None
+    if series is not None and len(reached[series]) < 3:
+        series = max(names, key=lambda name: len(reached[name]))  # the first of equals: the baseline
+    points = reached.get(series, {})
+    b_simple = [r.b_simple for r in rows if r.recipe == series and r.b_simple is not None]
+    result = {"series": series, "target": target, "fit": None, "fit_interval": None, "s_min": None, "e_min": None,
+              "fit_points": sum(len(v) for v in points.values()), "fit_error": None,
+              "gns": statistics.median(b_simple) if b_simple else None, "gns_window": GNS_WINDOW, "ratio": None}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # resamples that fail to fit only narrow the sample
             fit, interval = bootstrap_fit(points)
         result.update(fit=fit.b_crit, fit_interval=list(interval), s_min=fit.s_min, e_min=fit.e_min)
     except ValueError as error:
-        reached = sorted(points)
-        result["fit_error"] = f"{error} (batches reaching the target: {', '.join(f'{b:,}' for b in reached) or 'none'})"
+        batches = ", ".join(f"{b:,}" for b in sorted(points)) or "none"
+        result["fit_error"] = f"{error} (batches reaching the target: {batches})"
     if result["fit"] and result["gns"]:
         result["ratio"] = result["fit"] / result["gns"]
     return result

@@ -220,3 +220,31 @@ def test_extra_grid_is_skipped_when_the_command_line_sweeps_its_keys(capsys):
     assert extra_sweeps(["study=default", "dist.world_size=1,8"]) == []
     assert "skipped" in capsys.readouterr().err
     assert extra_sweeps(["study=gpu_counts"]) == []
+
+
+def test_report_fits_the_critical_batch_to_steps_to_target(tmp_path):
+    """Runs whose steps to 80% follow S = S_min (1 + B_noise / B): the report recovers S_min and B_noise."""
+    from lbt.report import write_report
+
+    s_min, b_noise = 20.0, 200.0
+    for n, world_size in enumerate([1, 2, 4, 8, 16]):
+        batch = 32 * world_size
+        for seed in range(2):
+            crossing = s_min * (1 + b_noise / batch) * (1 + 0.02 * (seed - 0.5))  # +-1% between seeds
+            folder = tmp_path / f"{n}_{seed}"
+            folder.mkdir()
+            history = [{"step": crossing / 2, "samples_seen": 0, "global_batch": batch, "acc": 0.4, "loss": 1.0},
+                       {"step": crossing * 1.5, "samples_seen": 0, "global_batch": batch, "acc": 1.0, "loss": 0.5}]
+            (folder / "result.json").write_text(json.dumps({
+                "recipe": "baseline", "overrides": [f"dist.world_size={world_size}", f"trainer.seed={seed}"],
+                "world_size": world_size, "per_worker_batch": 32, "global_batch": batch, "seed": seed,
+                "eval_split": "val", "final_val_acc": 1.0, "best_val_acc": 1.0, "test_acc": 0.99, "steps": 10_000,
+                "samples_per_sec": 1.0, "diverged": False, "val_history": history,
+            }))
+    summary = write_report(tmp_path, target=0.7)  # crossed halfway between the two evaluations
+    crit = summary["critical_batch"]
+    assert crit["series"] == "baseline" and crit["fit_points"] == 10
+    assert crit["fit"] == pytest.approx(b_noise, rel=0.1) and crit["s_min"] == pytest.approx(s_min, rel=0.1)
+    low, high = crit["fit_interval"]
+    assert low <= b_noise <= high
+    assert "From steps to target (baseline, 10 runs" in (tmp_path / "report.md").read_text()
