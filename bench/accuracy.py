@@ -132,10 +132,10 @@ def run_job(job: Job) -> dict:
 
 
 def accuracy(result: dict) -> float:
-    """Final accuracy of the evaluated split (val/* is the test split when val_fraction is 0)."""
+    """Final accuracy of the split the run evaluated (named test when val_fraction is 0)."""
     if "error" in result or result.get("diverged"):
         return float("nan")
-    return result["final_val_acc"]
+    return result[f"final_{result['eval_split']}_acc"]
 
 
 def mean(values: list[float]) -> float:

@@ -92,8 +92,9 @@ def study(args: argparse.Namespace, part: str, world_sizes: list[int], seeds: in
 def accuracy(job: dict, split: str) -> float:
     if job.get("error") or job.get("diverged"):
         return float("nan")
-    # split test: val/* is the test split (val_fraction 0); val: val/* is the held-out part of train.
-    return float(job["final_val_acc"])
+    # split test: no validation split (val_fraction 0), so the run evaluated test, named test;
+    # val: the 10% held out of train.
+    return float(job[f"final_{split}_acc"])
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
