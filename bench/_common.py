@@ -38,7 +38,7 @@ def compose(overrides: list[str]) -> tuple[dict, str | None]:
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf, open_dict
 
-    from lbt.cli import register_schemas
+    from lbt.compose import register_schemas
     from lbt.paths import conf_dir
 
     register_schemas()

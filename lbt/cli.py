@@ -1,10 +1,11 @@
-"""The `lbt` command: `lbt train | study | report | plan`, also as `python -m lbt` and `torchrun -m lbt`.
+"""The `lbt` command: `lbt train | study | tune | report | plan`, also as `python -m lbt` and `torchrun -m lbt`.
 
 The one entry module: Hydra's main, argument handling and failure recording
 live here; the library (`lbt.train.run` and what it builds) never imports it.
-Together with lbt/train.py (which builds objects with hydra.utils.instantiate),
-the only place that imports Hydra. A config mistake ends with one line on
-stderr and exit code 2, never a traceback.
+Hydra is imported here, in lbt/compose.py (schemas, one-line errors), in
+lbt/train.py (objects built with hydra.utils.instantiate) and in lbt/tune.py
+(the tuner composes each trial's config); nowhere else in lbt/. A config
+mistake ends with one line on stderr and exit code 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -13,13 +14,12 @@ import os
 import sys
 
 import hydra
-from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from lbt import dist as lbt_dist
-from lbt.config import DistConfig, ScheduleConfig, TrainerConfig
+from lbt.compose import one_line, register_schemas
 from lbt.errors import ConfigError
 from lbt.paths import conf_dir
 from lbt.train import check_layout, exit_worker, record_failure, run
@@ -31,38 +31,14 @@ commands:
                         (-m for a Hydra multirun sweep, --cfg job to print the config)
   study [overrides]     run a study (default: study=default, recipes x GPU counts on MNIST-1D)
                         and write its report; e.g. `lbt study study=gpu_counts`
+  tune [overrides]      the same tuning budget (Optuna trials, chosen on val) for every cell of
+                        recipes x world sizes, then the best and the untuned defaults over seeds,
+                        scored on test; e.g. `lbt tune recipe=baseline,lamb dist.world_size=16,64`
   report DIR [--target ACC]
                         turn a multirun folder into report.md, PNG curves, summary.json, tb_summary/
   plan [options]        predict time per epoch vs GPU count from measured compute and a network
                         model: where adding GPUs stops paying (`lbt plan --help`)
 """
-
-
-def one_line(error: BaseException) -> str:
-    """Fold a (possibly multi-line) Hydra/OmegaConf error into one readable line."""
-    messages = [str(error)]
-    if error.__cause__ is not None and str(error.__cause__) not in messages[0]:
-        messages.append(str(error.__cause__))
-    noise = ("full_key:", "object_type=", "reference_type=", "Set the environment", "To append")
-    parts: list[str] = []
-    for message in messages:
-        for raw in message.splitlines():
-            line = raw.strip()
-            if not line or line.startswith(noise):
-                continue
-            if raw[:1] in ("\t", " ") and parts:  # an item of a listed set of options
-                parts[-1] += (" " if parts[-1].endswith(":") else ", ") + line
-            else:
-                parts.append(line)
-    return " ".join(parts) or type(error).__name__
-
-
-def register_schemas() -> None:
-    """The typed schemas of conf/{dist,trainer,schedule}/ (their `defaults` name them); call before composing."""
-    store = ConfigStore.instance()
-    store.store(group="dist", name="dist_schema", node=DistConfig)
-    store.store(group="trainer", name="trainer_schema", node=TrainerConfig)
-    store.store(group="schedule", name="schedule_schema", node=ScheduleConfig)
 
 
 def fail(message: str) -> None:
@@ -214,6 +190,15 @@ def study_command(args: list[str]) -> None:
     print(f"study finished in {time.perf_counter() - started:.0f} s; report: {Path(sweep_dir).resolve()}/report.md")
 
 
+def tune_command(args: list[str]) -> None:
+    from lbt.tune import tune
+
+    try:
+        tune(args)
+    except ConfigError as error:
+        fail(str(error))
+
+
 def report_command(args: list[str]) -> None:
     import argparse
 
@@ -248,6 +233,8 @@ def main(argv: list[str] | None = None) -> None:
             exit_worker()
     elif command == "study":
         study_command(args)
+    elif command == "tune":
+        tune_command(args)
     elif command == "report":
         report_command(args)
     elif command == "plan":

@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from hypothesis import settings
 from omegaconf import OmegaConf, open_dict
 
-from lbt.cli import register_schemas
+from lbt.compose import register_schemas
 from lbt.paths import conf_dir
 from lbt.train import build, run
 

@@ -1,0 +1,190 @@
+"""`lbt tune`: the same tuning budget for every (recipe, global batch) cell, chosen on val (lbt/tune.py)."""
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+from omegaconf import OmegaConf
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import compose_config, lbt_cli
+from lbt import cli
+from lbt.config import BatchPlan
+from lbt.errors import ConfigError
+from lbt.tune import PruneOnVal, check_space, claimed_exponent, fit_exponent, tune
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
+# Synthetic data with a validation split, 2 epochs: a run takes well under a second.
+TINY = ["data=synthetic", "data.val_fraction=0.25", "data.num_train=512", "model=mlp", "trainer.epochs=2",
+        "trainer.per_worker_batch=16", "trainer.threads=1", "trainer.device=cpu"]
+
+
+def trials_in(folder: Path) -> dict[str, list[tuple[int, str]]]:
+    """Every cell's trials in the tune's storage: study name -> [(number, state)]."""
+    storage = f"sqlite:///{folder / 'optuna.db'}"
+    return {name: [(t.number, t.state.name) for t in optuna.load_study(study_name=name, storage=storage).trials]
+            for name in optuna.get_all_study_names(storage)}
+
+
+def test_tune_a_tiny_grid_then_the_same_command_runs_nothing_new(tmp_path):
+    """The acceptance case: 2 recipes x 2 batches x 3 trials, finals with 2 seeds; then the same command."""
+    folder = tmp_path / "tune"
+    args = ["tune", *TINY, "recipe=baseline,goyal2017", "dist.world_size=1,4", "tune.trials=3", "tune.seeds=2",
+            f"tune.dir={folder}"]
+    first = lbt_cli(args, cwd=tmp_path, timeout=300)
+    assert first.returncode == 0, first.stderr
+    assert (folder / "optuna.db").is_file()
+    # One line per finished trial, one per cell.
+    assert len(re.findall(r"\] trial \d+ \([123]/3\): (val_acc|pruned|diverged)", first.stdout)) == 12
+    assert first.stdout.count("] best of 3 trials") == 4
+
+    # Equal budget: every cell has exactly tune.trials finished or pruned trials in the storage.
+    trials = trials_in(folder)
+    assert sorted(trials) == [f"recipe={r} dist.world_size={w}" for r in ("baseline", "goyal2017") for w in (1, 4)]
+    for states in trials.values():
+        assert sum(state in ("COMPLETE", "PRUNED") for _, state in states) == 3
+
+    summary = json.loads((folder / "tune_summary.json").read_text())
+    for cell in summary["cells"]:
+        assert cell["trials"]["counted"] == 3 and len(cell["tuned"]["val_acc"]) == 2
+        # The tuned finals train the best trial's values, with fresh seeds, scored once on test.
+        tuned = json.loads((Path(cell["tuned"]["folders"][0]) / "result.json").read_text())
+        assert tuned["config"]["optim"]["lr"] == pytest.approx(cell["best"]["params"]["optim.lr"])
+        assert tuned["eval_split"] == "val" and tuned["test_acc"] is not None and tuned["seed"] == 1
+        default = json.loads((Path(cell["default"]["folders"][1]) / "result.json").read_text())
+        assert default["config"]["optim"]["lr"] == pytest.approx(0.1) and default["seed"] == 2
+    fits = {fit["series"]: fit for fit in summary["lr_fits"]}
+    assert fits["baseline"]["claimed"] == [0.0] and fits["goyal2017"]["claimed"] == [1.0]
+    assert all(fit["exponent"] is not None for fit in fits.values())
+    report = (folder / "tune_report.md").read_text()
+    assert "untuned test acc" in report and "tuned test acc" in report and "fitted k, peak LR" in report
+    assert f"| goyal2017 | 1 (linear) | {fits['goyal2017']['exponent']:.2f} |" in report
+    assert (folder / "best_lr_vs_batch.png").stat().st_size > 0
+
+    # `lbt report` reads the final runs: per recipe a tuned and an untuned curve, the seeds averaged.
+    from lbt.report import write_report
+
+    assert len(write_report(folder / "final", None)["jobs"]) == 16
+    finals = (folder / "final" / "report.md").read_text()
+    assert "## baseline (+tune.final=tuned)" in finals and "## goyal2017 (+tune.final=default)" in finals
+
+    again = lbt_cli(args, cwd=tmp_path, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert trials_in(folder) == trials
+    assert "0 new trials, 0 new final runs" in again.stdout and "): val_acc" not in again.stdout
+
+
+def test_fit_exponent_recovers_a_power_law():
+    batches = [64, 256, 1024, 8192]
+    assert fit_exponent(batches, [0.1 * b ** 0.5 for b in batches]) == pytest.approx((0.5, 0.1))
+    assert fit_exponent(batches, [0.1 * b for b in batches]) == pytest.approx((1.0, 0.1))
+    assert fit_exponent(batches, [3.0] * 4) == pytest.approx((0.0, 3.0))
+    with pytest.raises(ValueError, match="two or more distinct batches"):
+        fit_exponent([64, 64], [0.1, 0.2])
+    assert [claimed_exponent(rule) for rule in ("none", "sqrt", "linear")] == [0.0, 0.5, 1.0]
+
+
+def test_a_diverged_trial_counts_with_the_worst_value(tmp_path, capsys):
+    space = "tune.space={optim.lr: {low: 1000.0, high: 10000.0, log: true}}"  # SGD blows up at any of these
+    args = [*TINY, "recipe=baseline", "dist.world_size=1", "tune.trials=2", "tune.seeds=1", space,
+            f"tune.dir={tmp_path}"]
+    cell = tune(args)["cells"][0]
+    assert cell["trials"] == {"counted": 2, "complete": 2, "pruned": 0, "diverged": 2, "failed": 0}
+    assert [state for _, state in trials_in(tmp_path)["recipe=baseline dist.world_size=1"]] == ["COMPLETE"] * 2
+    assert cell["best"]["val_acc"] == 0.0 and cell["default"]["diverged"] == 0
+    assert "diverged, counted as val_acc=0" in capsys.readouterr().out
+    # The same folder with other overrides is another tune: refused rather than mixed in.
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["tune", *args, "trainer.epochs=1"])
+    assert stop.value.code == 2 and "other overrides" in capsys.readouterr().err
+
+
+def test_a_pruned_trial_counts_and_leaves_its_curve(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(optuna.trial.Trial, "should_prune", lambda self: True)
+    args = [*TINY, "recipe=baseline", "dist.world_size=1", "tune.trials=2", "tune.seeds=1",
+            "tune.prune_startup_trials=0", f"tune.dir={tmp_path}"]
+    cell = tune(args)["cells"][0]
+    assert cell["trials"]["counted"] == 2 and cell["trials"]["pruned"] == 2
+    assert cell["best"] is None and "tuned" not in cell and len(cell["default"]["val_acc"]) == 1
+    pruned = tmp_path / "trials" / "recipe=baseline,dist.world_size=1" / "0"
+    assert not (pruned / "result.json").exists()  # nothing a report would read as a finished run
+    events = EventAccumulator(str(pruned))
+    events.Reload()
+    assert [e.step for e in events.Scalars("val/acc")]  # its writers were closed, its curve is on disk
+    assert "none finished" in (tmp_path / "tune_report.md").read_text()
+    assert "pruned (val acc" in capsys.readouterr().out
+
+
+def test_pruning_waits_for_its_share_of_the_run_and_spares_the_last_evaluation():
+    class Trial:
+        def __init__(self):
+            self.reports = []
+
+        def report(self, value, step):
+            self.reports.append((step, value))
+
+        def should_prune(self):
+            return True
+
+    hook = PruneOnVal(Trial(), prune_after=0.5)
+    assert hook.plan_epochs([BatchPlan(1, 1, 100, 100)] * 2, 1050) == [BatchPlan(1, 1, 100, 100)] * 2
+    hook.after_eval(5, 500, 0.3)  # 500 of 2,000 samples: too early to judge
+    hook.after_eval(20, 2000, 0.6)  # the end: the run is done, its value counts
+    with pytest.raises(optuna.TrialPruned):
+        hook.after_eval(10, 1000, 0.4)
+    assert hook.trial.reports == [(500, 0.3), (2000, 0.6), (1000, 0.4)] and hook.pruned_at == 1000
+    unarmed = PruneOnVal(Trial(), prune_after=None)  # the cell has too few finished trials to compare with
+    unarmed.plan_epochs([BatchPlan(1, 1, 100, 100)] * 2, 1000)
+    unarmed.after_eval(10, 1000, 0.4)
+    assert unarmed.trial.reports == [(1000, 0.4)] and unarmed.pruned_at is None
+
+
+def test_refuses_data_without_a_validation_split(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["tune", "data=synthetic", "model=mlp", "recipe=baseline", f"tune.dir={tmp_path / 't'}"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("lbt: error: ") and "validation split" in err and "data.val_fraction" in err
+    assert not (tmp_path / "t").exists()
+
+
+def test_optuna_missing_is_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "optuna", None)  # `import optuna` raises ImportError
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["tune"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == "lbt: error: lbt tune needs Optuna: pip install 'lbt[tune]'\n"
+
+
+def test_a_search_space_mistake_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["tune", *TINY, "recipe=baseline", "tune.space={optim.lr: {low: 1.0, high: 0.1}}",
+                  f"tune.dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("lbt: error: recipe baseline: tune.space.optim.lr.high must be a number > 1")
+    config = {"optim": {"lr": 0.1}}
+    with pytest.raises(ConfigError, match="recipe r: tune.space.optim.lrr: optim.lrr is not a key"):
+        check_space({"optim.lrr": {"low": 0.1, "high": 1.0}}, config, "r")
+    with pytest.raises(ConfigError, match="log-uniform range needs low > 0"):
+        check_space({"optim.lr": {"low": 0.0, "high": 1.0, "log": True}}, config, "r")
+    with pytest.raises(ConfigError, match="declares no tune.space"):
+        check_space({}, config, "r")
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_declares_a_space_around_its_defaults(recipe):
+    cfg, _ = compose_config([f"recipe={recipe}"])
+    config = OmegaConf.to_container(cfg, resolve=True)
+    space = check_space(config["tune"]["space"], config, recipe)
+    assert "optim.lr" in space  # every recipe tunes its LR, the baseline included (Shallue et al. 2019)
+    for key, spec in space.items():
+        node = config
+        for part in key.split("."):
+            node = node[part]
+        assert spec["low"] <= node <= spec["high"], f"{recipe}: {key}={node} outside its tune range"
+
