@@ -172,7 +172,7 @@ def tune(args: list[str]) -> dict | None:
     except (Stopped, KeyboardInterrupt):
         print(f"tune: stopped; run the same command again to continue ({folder})", flush=True)
         return None
-    summary = summarize(plan, cells)
+    summary = summarize(plan, cells + earlier_cells(plan, cells))
     write_tune_report(folder, summary)
     print(f"tune finished in {time.perf_counter() - started:.0f} s: {_count(new_runs['trials'], 'new trial')}, "
           f"{_count(new_runs['finals'], 'new final run')}", flush=True)
@@ -375,8 +375,7 @@ def open_study(optuna, storage, plan: Plan, cell: Cell):
                "none": lambda: optuna.pruners.NopPruner()}
     study = optuna.create_study(storage=storage, study_name=cell.name, direction="maximize",
                                 pruner=pruners[s.pruner](), load_if_exists=True)
-    overrides = [o for o in plan.fixed if o.split("=", 1)[0].lstrip("+~") not in PRESENTATION_KEYS]
-    identity = {"overrides": sorted(overrides), "space": cell.space}
+    identity = {"overrides": sorted(identity_overrides(plan)), "space": cell.space}
     if not study.user_attrs:
         for key, value in identity.items():
             study.set_user_attr(key, value)
@@ -384,6 +383,11 @@ def open_study(optuna, storage, plan: Plan, cell: Cell):
         raise ConfigError(f"{s.dir} holds trials of cell {cell.name!r} run with other overrides or another "
                           f"search space ({' '.join(study.user_attrs.get('overrides') or [])}); pick another tune.dir")
     return study
+
+
+def identity_overrides(plan: Plan) -> list[str]:
+    """The overrides that change what a cell measures (not how it is shown)."""
+    return [o for o in plan.fixed if o.split("=", 1)[0].lstrip("+~") not in PRESENTATION_KEYS]
 
 
 def tune_cell(optuna, plan: Plan, cell: Cell, study, new_runs: dict) -> None:
@@ -531,7 +535,24 @@ def finish_cell(optuna, plan: Plan, cell: Cell, study, new_runs: dict) -> dict:
     else:
         print(f"[{cell.name}] no trial finished (all {len(counted)} pruned): no tuned runs", flush=True)
     summary["default"] = final_runs(plan, cell, "default", {}, seeds, new_runs)
+    summary["overrides"] = sorted(identity_overrides(plan))
+    (plan.settings.dir / "cells").mkdir(exist_ok=True)
+    atomic_write(plan.settings.dir / "cells" / f"{cell.folder}.json",
+                 lambda f: f.write(json.dumps(summary, indent=2).encode()))
     return summary
+
+
+def earlier_cells(plan: Plan, cells: list[dict]) -> list[dict]:
+    """Finished cells in tune.dir that this command did not name, tuned with the same overrides."""
+    names, found = {c["cell"] for c in cells}, []
+    for path in sorted((plan.settings.dir / "cells").glob("*.json")):
+        try:
+            cell = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # being written by another process, or not ours
+        if cell.get("cell") not in names and cell.get("overrides") == sorted(identity_overrides(plan)):
+            found.append(cell)
+    return found
 
 
 def final_runs(plan: Plan, cell: Cell, kind: str, params: dict, seeds: list[int], new_runs: dict) -> dict:
@@ -619,12 +640,44 @@ def summarize(plan: Plan, cells: list[dict]) -> dict:
         fits.append(fit)
     s = plan.settings
     return {
+        "gaps": gaps_to_base(cells),
         "tune_dir": str(s.dir), "storage": f"sqlite:///{s.dir / 'optuna.db'}",
         "settings": {"trials": s.trials, "seeds": s.seeds, "seed": s.seed, "startup_trials": s.startup_trials,
                      "pruner": s.pruner, "prune_startup_trials": s.prune_startup_trials,
                      "prune_after": s.prune_after, "sampler": "multivariate TPE", "selected_on": "final_val_acc"},
         "overrides": plan.fixed, "cells": cells, "lr_fits": fits,
     }
+
+
+def gaps_to_base(cells: list[dict]) -> dict:
+    """Test accuracy lost at each batch against the tuned smallest batch, per curve and for the best curve.
+
+    The reference is the smallest global batch's tuned run (the curve with the best tuned val mean, if
+    several reach that batch); at each larger batch the best curve is chosen on val too, and only its
+    test accuracy is compared: test decides nothing. Points are percentage points of test accuracy.
+    """
+    def mean(c: dict, split: str) -> float | None:
+        pair = (c.get("tuned") or {}).get(f"{split}_mean_std")
+        return pair[0] if pair else None
+
+    scored = [c for c in cells if mean(c, "val") is not None and mean(c, "test") is not None]
+    if not scored:
+        return {"reference": None, "batches": []}
+    smallest = min(c["global_batch"] for c in scored)
+    reference = max((c for c in scored if c["global_batch"] == smallest), key=lambda c: mean(c, "val"))
+    ref_test = mean(reference, "test")
+    gaps = {"reference": {"cell": reference["cell"], "series": reference["series"], "global_batch": smallest,
+                          "test_acc": ref_test}, "batches": []}
+    for batch in sorted({c["global_batch"] for c in scored if c["global_batch"] > smallest}):
+        here = [c for c in scored if c["global_batch"] == batch]
+        best = max(here, key=lambda c: mean(c, "val"))
+        ratio = batch / smallest
+        row = {"global_batch": batch, "ratio": ratio, "best_series": best["series"],
+               "best_gap": 100 * (ref_test - mean(best, "test")),
+               "per_series": {c["series"]: 100 * (ref_test - mean(c, "test")) for c in here}}
+        gaps["batches"].append(row)
+        gaps[f"best_gap_{ratio:g}x"] = row["best_gap"]
+    return gaps
 
 
 def _fmt(value, spec: str = ".4f") -> str:
@@ -667,6 +720,7 @@ def markdown(summary: dict) -> str:
                ", ".join(f"{b:,}" for b in fit["batches"]), ", ".join(f"{v:.3g}" for v in fit["peak_lrs"])]
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "![best peak LR vs global batch](best_lr_vs_batch.png)", ""]
+    lines += gap_lines(summary["gaps"], [fit["series"] for fit in summary["lr_fits"]])
     for series in dict.fromkeys(c["series"] for c in cells):
         lines += [f"## {series}", "",
                   "| global batch | world size | trials (pruned, diverged) | best trial: val acc | tuned val acc | "
@@ -677,6 +731,24 @@ def markdown(summary: dict) -> str:
                                                 key=lambda c: c["global_batch"])]
         lines.append("")
     return "\n".join(lines)
+
+
+def gap_lines(gaps: dict, series: list[str]) -> list[str]:
+    """The table of test points lost against the tuned smallest batch."""
+    ref = gaps.get("reference")
+    if not ref:
+        return []
+    lines = ["## Test accuracy lost against the tuned smallest batch", "",
+             f"Reference: {ref['series']} at global batch {ref['global_batch']:,}, tuned, test acc "
+             f"{100 * ref['test_acc']:.2f}%. Points lost on test (mean over the seeds; negative: gained). The best "
+             "recipe at a batch is the one with the best tuned **val** mean there; test only scores it.", "",
+             "| global batch | x | best on val | best: points lost | " + " | ".join(series) + " |",
+             "| ---: | ---: | --- | ---: |" + " ---: |" * len(series)]
+    for row in gaps["batches"]:
+        per = [_fmt(row["per_series"].get(name), "+.2f") for name in series]
+        lines.append(f"| {row['global_batch']:,} | {row['ratio']:g} | {row['best_series']} | "
+                     f"{row['best_gap']:+.2f} | " + " | ".join(per) + " |")
+    return lines + [""]
 
 
 def _cell_row(c: dict) -> str:

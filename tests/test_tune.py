@@ -77,6 +77,26 @@ def test_tune_a_tiny_grid_then_the_same_command_runs_nothing_new(tmp_path):
     assert trials_in(folder) == trials
     assert "0 new trials, 0 new final runs" in again.stdout and "): val_acc" not in again.stdout
 
+    # Test points lost against the tuned smallest batch; the best recipe at a batch is chosen on val.
+    gaps = summary["gaps"]
+    cells = {(c["series"], c["global_batch"]): c for c in summary["cells"]}
+    ref = gaps["reference"]
+    assert ref["global_batch"] == min(b for _, b in cells)
+    row = gaps["batches"][0]
+    at = {s: c for (s, b), c in cells.items() if b == row["global_batch"]}
+    best = max(at, key=lambda s: at[s]["tuned"]["val_mean_std"][0])
+    assert row["best_series"] == best
+    assert gaps[f"best_gap_{row['ratio']:g}x"] == pytest.approx(
+        100 * (ref["test_acc"] - at[best]["tuned"]["test_mean_std"][0]))
+    assert "Test accuracy lost against the tuned smallest batch" in report
+
+    # One cell of the grid again: nothing new, and the report still covers every cell tuned in the folder.
+    one = lbt_cli([a for a in args if not a.startswith(("recipe=", "dist.world_size="))]
+                  + ["recipe=baseline", "dist.world_size=4"], cwd=tmp_path, timeout=300)
+    assert one.returncode == 0, one.stderr
+    assert "0 new trials, 0 new final runs" in one.stdout
+    assert len(json.loads((folder / "tune_summary.json").read_text())["cells"]) == 4
+
 
 def test_fit_exponent_recovers_a_power_law():
     batches = [64, 256, 1024, 8192]
