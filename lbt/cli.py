@@ -10,8 +10,13 @@ mistake ends with one line on stderr and exit code 2, never a traceback.
 
 from __future__ import annotations
 
+import itertools
+import json
+import math
 import os
 import sys
+import time
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -19,7 +24,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from lbt import dist as lbt_dist
-from lbt.compose import one_line, register_schemas
+from lbt.compose import explain, one_line, register_schemas
 from lbt.errors import ConfigError
 from lbt.paths import conf_dir
 from lbt.train import check_layout, exit_worker, record_failure, run
@@ -41,40 +46,109 @@ commands:
 """
 
 
+STUDY_HELP = """usage: lbt study [overrides]
+
+Runs a study (a Hydra multirun over recipes x GPU counts, conf/study/*.yaml), any extra grids it
+declares, then writes its report (report.md, PNG curves, summary.json, tb_summary/).
+
+  lbt study                                  the default study (study=default) on MNIST-1D
+  lbt study study=gpu_counts                 another study config
+  lbt study trainer.epochs=3 seeds=0,1       any `lbt train` override applies to every job
+  lbt study hydra.sweep.dir=runs/study/mine  where it goes (default runs/study/<date>_<time>)
+  lbt study hydra/launcher=slurm             on a cluster (README: Launchers)
+
+Then `lbt report DIR --target 0.95` re-reads the folder with another accuracy target.
+"""
+
+
 def fail(message: str) -> None:
     print(f"lbt: error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
 
 
-def precheck(overrides: list[str]) -> None:
+# A sweep's jobs are each composed and checked before it starts, up to this many; beyond, each swept value
+# is checked once (with the other sweeps at their first value), which still catches a mistyped name.
+MAX_CHECKED_JOBS = 64
+
+
+def precheck(overrides: list[str], config_dir: str | None = None, config_name: str = "config") -> None:
     """Compose the config as Hydra will and validate it, before Hydra's own reporting.
 
     Hydra prints composition errors over several lines with a hint about
-    HYDRA_FULL_ERROR; composing here first turns them into one line.
+    HYDRA_FULL_ERROR; composing here first turns them into one line. In a sweep
+    every job is checked, so `recipe=goyal,baseline` fails before any job runs.
     """
-    from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except Exception as error:
         fail(one_line(error))
-    if any(override.is_sweep_override() for override in parsed):
-        return  # a sweep: every job validates its own config and records a failure
+    search = [conf_dir()] + ([Path(config_dir).expanduser().absolute()] if config_dir else [])
+    if config_dir and not search[-1].is_dir():
+        fail(f"--config-dir {config_dir}: no such folder")
+    searchpath = [f"hydra.searchpath=[file://{search[-1]}]"] if config_dir else []
+    # Hydra's own settings (launcher, sweeper, run folder) are Hydra's to check.
+    ours = [o for o in parsed if not o.key_or_group.startswith("hydra")]
+    for job in sweep_jobs(ours):
+        label = " ".join(o for o, swept in job if swept)
+        try:
+            check_job([o for o, _ in job] + searchpath, config_name, search)
+        except ConfigError as error:
+            fail(f"job {label}: {error}" if label and not str(error).startswith(label.split()[0]) else str(error))
+    folders = {o.key_or_group: o.value() for o in parsed if o.key_or_group in ("hydra.run.dir", "hydra.sweep.dir")}
     try:
-        with initialize_config_dir(str(conf_dir()), version_base="1.3", job_name="lbt_precheck"):
-            cfg = compose("config", overrides=overrides)
-        config = OmegaConf.to_container(cfg, resolve=True)
-        check_layout(config, lbt_dist.torchrun_env())
-        # The output folder, read from the overrides (as given, else under ./runs): composing
-        # Hydra's own config here made later P=2 workers abort at exit (bench/README.md "Known incidents").
-        folders = {o.key_or_group: o.value() for o in parsed if o.key_or_group in ("hydra.run.dir", "hydra.sweep.dir")}
         for key, folder in (folders or {"hydra.run.dir": "runs"}).items():
             check_writable(str(folder), key)
     except ConfigError as error:
         fail(str(error))
-    except Exception as error:  # Hydra / OmegaConf composition errors
-        fail(one_line(error))
+
+
+def sweep_jobs(parsed: list) -> list[list[tuple[str, bool]]]:
+    """The jobs of a sweep as override lists, each override marked with whether it was swept."""
+    axes = []
+    for o in parsed:
+        if o.is_sweep_override():
+            axes.append([(f"{o.get_key_element()}={value}", True) for value in o.sweep_string_iterator()])
+        else:
+            axes.append([(o.input_line, False)])
+    sizes = [len(axis) for axis in axes]
+    if math.prod(sizes) <= MAX_CHECKED_JOBS:
+        return [list(job) for job in itertools.product(*axes)]
+    first = [axis[0] for axis in axes]
+    return [first[:i] + [value] + first[i + 1:] for i, axis in enumerate(axes) for value in axis[1:]] + [first]
+
+
+def check_job(overrides: list[str], config_name: str, search: list[Path]) -> None:
+    """One job's config: composed, every mandatory value given, the layout checked; else a ConfigError."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf.errors import MissingMandatoryValue
+
+    with initialize_config_dir(str(conf_dir()), version_base="1.3", job_name="lbt_precheck"):
+        try:
+            cfg = compose(config_name, overrides=overrides)
+        except Exception as error:  # Hydra / OmegaConf composition errors, with the closest name if mistyped
+            raise ConfigError(explain(error, composed_without(overrides, config_name, error), search)) from None
+    try:
+        config = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except MissingMandatoryValue as error:
+        key = error.full_key
+        raise ConfigError(f"{key} has no default and must be given, e.g. {key}=...") from None
+    except Exception as error:  # an interpolation that does not resolve
+        raise ConfigError(one_line(error)) from None
+    check_layout(config, lbt_dist.torchrun_env())
+
+
+def composed_without(overrides: list[str], config_name: str, error: BaseException) -> dict | None:
+    """The config without the override an error names, to suggest the key the user meant."""
+    from hydra import compose
+
+    culprit = str(error).split("'")[1] if str(error).count("'") >= 2 else None
+    keep = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != culprit]
+    try:
+        return OmegaConf.to_container(compose(config_name, overrides=keep), resolve=False)
+    except Exception:
+        return None
 
 
 def check_writable(folder: str, key: str) -> None:
@@ -89,20 +163,71 @@ def check_writable(folder: str, key: str) -> None:
         raise ConfigError(f"{key}={folder}: cannot write the run folder, {existing} is not writable")
 
 
-def train_command(args: list[str]) -> None:
+def hydra_options(args: list[str]):
+    """Hydra's own command line (`-m`, `--cfg`, `--config-dir`, overrides), read with Hydra's parser in any order."""
+    from hydra._internal.utils import get_args_parser
+
+    try:
+        return get_args_parser().parse_intermixed_args(args)
+    except SystemExit:
+        sys.exit(2)  # argparse printed its one-line usage error
+
+
+def train_command(args: list[str], report_failures: bool = True) -> None:
+    options = hydra_options(args)
+    if options.help or options.hydra_help or options.info or options.shell_completion:
+        sys.argv = ["lbt train", *args]
+        hydra_main()  # Hydra's own help and introspection, untouched
+        return
+    overrides = list(options.overrides)
+    left = list(overrides)
+    flags = [a for a in args if not (left and a == left[0] and left.pop(0) is not None)]
+    if options.cfg and options.multirun:
+        # Hydra prints one config, not a sweep's: show the first job's, and say so.
+        flags = [a for a in flags if a not in ("-m", "--multirun")]
+        overrides = first_job(overrides)
+        print(f"lbt: note: --cfg shows the sweep's first job ({' '.join(overrides)})", file=sys.stderr)
+        options.multirun = False
     env = lbt_dist.torchrun_env()
-    worker_rank = env["rank"] if env else 0
-    plain_overrides = not any(arg.startswith("-") for arg in args)
-    if plain_overrides:
-        if worker_rank == 0:
-            precheck(args)
-        else:
-            # Only torchrun's rank 0 owns the run folder: the others must not
-            # create folders or log files of their own (see lbt.train._agree_on_run_dir).
-            args = args + ["hydra.output_subdir=null", "hydra.run.dir=.",
-                           "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
-    sys.argv = ["lbt train", *args]
+    if (env["rank"] if env else 0) == 0:
+        if not options.config_path:
+            precheck(overrides, options.config_dir, options.config_name or "config")
+    else:
+        # Only torchrun's rank 0 owns the run folder: the others must not
+        # create folders or log files of their own (see lbt.train._agree_on_run_dir).
+        overrides += ["hydra.output_subdir=null", "hydra.run.dir=.",
+                      "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+    sweep_dir = next((o.split("=", 1)[1] for o in overrides if o.startswith("hydra.sweep.dir=")), None)
+    if options.multirun and not options.cfg and sweep_dir is None:
+        # Named here (as the config's default would), so the sweep's results can be read when it ends.
+        sweep_dir = f"runs/multirun/{time.strftime('%Y-%m-%d_%H-%M-%S')}"
+        overrides.append(f"hydra.sweep.dir={sweep_dir}")
+    sys.argv = ["lbt train", *flags, *overrides]
     hydra_main()
+    if options.multirun and not options.cfg and report_failures:
+        check_sweep(sweep_dir)
+
+
+def first_job(overrides: list[str]) -> list[str]:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return [f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" if o.is_sweep_override()
+            else o.input_line for o in parsed]
+
+
+def check_sweep(sweep_dir: str) -> None:
+    """A sweep in which no job succeeded ends with one line and a non-zero exit, not 0."""
+    results = []
+    for path in sorted(Path(sweep_dir).glob("**/result.json")):
+        try:
+            results.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            results.append({"error": f"unreadable {path}"})
+    failed = [r for r in results if "error" in r]
+    if results and len(failed) == len(results):
+        fail(f"every job of the sweep failed ({len(failed)} of {len(results)}), the first with: "
+             f"{failed[0]['error']}; results in {sweep_dir}")
 
 
 @hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")
@@ -162,7 +287,7 @@ def extra_sweeps(args: list[str]) -> list[tuple[str, list[str]]]:
 
 def _multirun(args: list[str]) -> None:
     try:
-        train_command(args)
+        train_command(args, report_failures=False)  # the study reports its failed jobs after its report
     except SystemExit as done:
         if done.code not in (0, None):
             raise
@@ -170,9 +295,9 @@ def _multirun(args: list[str]) -> None:
 
 def study_command(args: list[str]) -> None:
     """A study is a Hydra multirun (conf/study/*.yaml), any extra grids of it, then its report."""
-    import time
-    from pathlib import Path
-
+    if any(a in ("-h", "--help") for a in args):
+        print(STUDY_HELP)
+        return
     if not any(a.startswith("study=") for a in args):
         args = ["study=default", *args]
     sweep_dir = next((a.split("=", 1)[1] for a in args if a.startswith("hydra.sweep.dir=")), None)
@@ -187,6 +312,7 @@ def study_command(args: list[str]) -> None:
         print(f"extra sweep {name}: {' '.join(overrides)}", flush=True)
         _multirun([*own_args, *overrides, f"hydra.sweep.dir={sweep_dir}/{name}"])
     report_command([sweep_dir])
+    check_sweep(sweep_dir)
     print(f"study finished in {time.perf_counter() - started:.0f} s; report: {Path(sweep_dir).resolve()}/report.md")
 
 
@@ -199,15 +325,31 @@ def tune_command(args: list[str]) -> None:
         fail(str(error))
 
 
+def accuracy_target(text: str) -> float:
+    """`0.95` or `95%`; a bare 95 is refused rather than read as an accuracy no run can reach."""
+    import argparse
+
+    try:
+        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (give 0.95 or 95%)") from None
+    if not 0 < value <= 1:
+        hint = f" (for {value:g} percent write {value:g}%)" if 1 < value <= 100 and not text.endswith("%") else ""
+        raise argparse.ArgumentTypeError(f"{text} is not an accuracy between 0 and 1{hint}")
+    return value
+
+
 def report_command(args: list[str]) -> None:
     import argparse
 
     from lbt.report import write_report
 
     parser = argparse.ArgumentParser(prog="lbt report", description="Report of a study (multirun) folder.")
+    parser.error = lambda message: fail(f"lbt report: {message}")  # one line, not usage + error
     parser.add_argument("study_dir")
-    parser.add_argument("--target", type=float, default=None,
-                        help="accuracy for steps-to-target (default: the base batch's final accuracy minus 1 point)")
+    parser.add_argument("--target", type=accuracy_target, default=None,
+                        help="accuracy for steps-to-target, as 0.95 or 95%% (default: the base batch's final "
+                             "accuracy minus 1 point)")
     options = parser.parse_args(args)
     if not os.path.isdir(options.study_dir):
         fail(f"no such study folder: {options.study_dir}")

@@ -30,6 +30,7 @@ from lbt.config import (DEFAULT_PER_WORKER_BATCH, BatchPlan, Budget, check_dist,
                         plan_batches)
 from lbt.data import DataSplits
 from lbt.errors import ConfigError
+from lbt.validate import integer
 from lbt.metrics.tensorboard import RunLogger
 from lbt.paths import atomic_write
 from lbt.techniques import Technique, sort_techniques
@@ -73,6 +74,10 @@ def check_layout(config: dict, env: dict | None) -> int:
     dist_cfg, trainer = config["dist"], config["trainer"]
     check_trainer(trainer)
     check_dist(dist_cfg, env is not None)
+    for key in ("world_size", "procs"):  # null means "as many as there are"; 0 is a mistake, not "unset"
+        if dist_cfg.get(key) is not None:
+            integer(f"dist.{key}", dist_cfg[key])
+    check_backend(dist_cfg["backend"], trainer.get("device", "auto"))
     if env is not None:
         if dist_cfg.get("procs") not in (None, env["procs"]):
             raise ConfigError(f"dist.procs={dist_cfg['procs']} but torchrun started {env['procs']} processes")
@@ -82,6 +87,37 @@ def check_layout(config: dict, env: dict | None) -> int:
     dist_cfg["world_size"] = dist_cfg.get("world_size") or procs
     plan_batches(dist_cfg["world_size"], procs, trainer.get("per_worker_batch"), trainer.get("global_batch"))
     return procs
+
+
+def check_backend(backend: str, device: str) -> None:
+    """NCCL moves CUDA tensors only: refused up front on a CPU run, not as a worker's unexplained exit."""
+    if backend != "nccl":
+        return
+    if device == "cpu":
+        raise ConfigError("dist.backend=nccl with trainer.device=cpu: NCCL only moves CUDA tensors; "
+                          "use dist.backend=gloo (or auto)")
+    if not torch.cuda.is_available():
+        raise ConfigError("dist.backend=nccl needs CUDA GPUs and this machine has none: "
+                          "use dist.backend=auto (gloo on CPU) or gloo")
+
+
+def check_model_takes(model: torch.nn.Module, data: DataSplits) -> None:
+    """One forward pass of two training samples, so a model that cannot read the data's samples fails
+    with one line before training (e.g. a 2-D network on 1-D signals). In eval mode and with the RNG
+    forked: no BatchNorm statistic and no random stream of the run is touched."""
+    samples = torch.stack([data.train[i][0] for i in range(min(2, len(data.train)))])
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model(samples)
+    except (RuntimeError, ValueError, TypeError, IndexError) as error:
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ConfigError(f"the model cannot read this data's samples (shape {tuple(data.input_shape)}): {first}; "
+                          "pick a model for this data (1-D signals: model=cnn1d or mlp; images: resnet20, "
+                          "torchvision)") from None
+    finally:
+        model.train(training)
 
 
 def build(node: dict, where: str, **kwargs):
@@ -125,6 +161,7 @@ def build_parts(config: dict, ctx: lbt_dist.DistContext, extra_techniques: list[
     techniques = sort_techniques(build_techniques(config) + list(extra_techniques))
     torch.manual_seed(trainer_cfg["seed"])  # same initial weights in every process and layout
     model = build(config["model"], "model", input_shape=tuple(data.input_shape), num_classes=data.num_classes)
+    check_model_takes(model, data)
     for technique in techniques:
         model = technique.on_model(model)
     model.to(ctx.device)

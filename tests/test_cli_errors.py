@@ -8,14 +8,21 @@ CASES = {
     "global_batch_not_divisible": (["dist.world_size=3", "trainer.global_batch=64"], "not divisible"),
     "batches_disagree": (["dist.world_size=4", "trainer.global_batch=64", "trainer.per_worker_batch=32"], "disagree"),
     "procs_not_dividing": (["dist.world_size=4", "dist.procs=3"], "does not divide"),
-    "unknown_model": (["model=resnet9000"], "model/resnet9000"),
+    "unknown_model": (["model=resnet9000"], "model=resnet9000: no such model config"),
     "unknown_torchvision_model": (["model=torchvision", "model.name=notanet"], "notanet"),
     "non_numeric_batch": (["trainer.per_worker_batch=abc"], "per_worker_batch"),
-    "typo_in_key": (["dist.wrold_size=4"], "wrold_size"),
+    "typo_in_key": (["dist.wrold_size=4"], "did you mean dist.world_size?"),
+    "typo_in_group": (["modle=mlp"], "did you mean model?"),
+    "unknown_technique_lists_them": (["technique=[warmpu]"], "available: batch_ramp, bn_epoch_average"),
+    "unknown_recipe_suggests": (["recipe=goyal"], "did you mean recipe=goyal2017?"),
+    "missing_mandatory_value": (["data=imagefolder"], "data.root has no default and must be given"),
+    "model_cannot_read_data": (["model=resnet20"], "the model cannot read this data's samples (shape (40,))"),
+    "nccl_on_cpu": (["dist.backend=nccl"], "dist.backend=nccl with trainer.device=cpu"),
+    "world_size_zero": (["dist.world_size=0"], "dist.world_size must be a positive integer, got 0"),
     "negative_epochs": (["trainer.epochs=-1"], "trainer.epochs"),
     "batch_larger_than_data": (["trainer.global_batch=100000"], "larger than the training set"),
     "unknown_scaling_rule": (["schedule.scaling=lnear"], "schedule.scaling must be one of none, linear, sqrt"),
-    "lars_is_an_optimizer_now": (["technique=[lars]"], "technique/lars"),
+    "lars_is_an_optimizer_now": (["technique=[lars]"], "technique=lars: no such technique config"),
     "zero_lr": (["optim.lr=0"], "optim.lr must be a positive number"),
 }
 
@@ -48,3 +55,69 @@ def test_run_folder_that_cannot_be_created(tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert "Traceback" not in result.stderr and "hydra.run.dir" in lines[0] and "is a file" in lines[0]
+
+
+def one_error_line(result) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in result.stderr, result.stderr
+    assert len(lines) == 1 and lines[0].startswith("lbt: error:"), result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("flags", [["-m"], ["--multirun"], ["-m", "--config-dir", "CONFIG_DIR"]])
+def test_dash_flags_keep_the_one_line_errors(flags, tmp_path):
+    """Multirun and --config-dir get the same checks: every job of the sweep, before any runs."""
+    (tmp_path / "own" / "model").mkdir(parents=True)
+    (tmp_path / "own" / "model" / "tiny.yaml").write_text("defaults:\n  - cnn1d\n  - _self_\nchannels: 4\n")
+    flags = [str(tmp_path / "own") if f == "CONFIG_DIR" else f for f in flags]
+    result = lbt_cli(["train", *flags, *FAST, "recipe=goyal,baseline", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                     tmp_path, timeout=60)
+    assert result.returncode == 2
+    assert "did you mean recipe=goyal2017?" in one_error_line(result)
+    assert not (tmp_path / "sweep").exists()  # no job started
+
+
+def test_config_dir_models_are_checked_too(tmp_path):
+    (tmp_path / "own" / "model").mkdir(parents=True)
+    (tmp_path / "own" / "model" / "tiny.yaml").write_text("defaults:\n  - cnn1d\n  - _self_\nchannels: 4\n")
+    result = lbt_cli(["train", "--config-dir", str(tmp_path / "own"), *FAST, "model=tiny", "dist.wrold_size=2",
+                      f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, timeout=60)
+    assert result.returncode == 2 and "did you mean dist.world_size?" in one_error_line(result)
+
+
+def test_cfg_of_a_sweep_shows_its_first_job(tmp_path):
+    """The README's `lbt train -m hydra/launcher=slurm recipe=baseline,goyal2017 --cfg hydra`."""
+    result = lbt_cli(["train", "-m", "hydra/launcher=slurm", "recipe=baseline,goyal2017", "--cfg", "hydra"],
+                     tmp_path, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr and "--cfg shows the sweep's first job" in result.stderr
+    assert "submitit" in result.stdout and "recipe=baseline" in result.stdout
+
+
+def test_study_help(tmp_path):
+    result = lbt_cli(["study", "--help"], tmp_path, timeout=60)
+    assert result.returncode == 0 and result.stdout.startswith("usage: lbt study"), result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_sweep_in_which_every_job_failed_exits_non_zero(tmp_path):
+    sweep = tmp_path / "sweep"
+    result = lbt_cli(["train", "-m", *FAST, "trainer.global_batch=100000,200000", f"hydra.sweep.dir={sweep}"],
+                     tmp_path, timeout=120)
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("lbt: error: every job of the sweep failed (2 of 2)"), result.stderr
+    assert len(list(sweep.glob("*/result.json"))) == 2
+
+
+@pytest.mark.parametrize("text, value", [("0.95", 0.95), ("95%", 0.95), ("99.5%", 0.995), ("1", 1.0)])
+def test_report_target_as_fraction_or_percent(text, value):
+    from lbt.cli import accuracy_target
+
+    assert accuracy_target(text) == pytest.approx(value)
+
+
+@pytest.mark.parametrize("text, expected", [("95", "write 95%"), ("0", "between 0 and 1"), ("abc", "not a number")])
+def test_report_target_refused_in_one_line(text, expected, tmp_path):
+    result = lbt_cli(["report", str(tmp_path), "--target", text], tmp_path, timeout=60)
+    assert result.returncode == 2 and expected in one_error_line(result)
