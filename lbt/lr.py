@@ -139,6 +139,18 @@ def build_schedule(cfg: Mapping, base_lr: float, global_batch: int, budget: Budg
                     budget.total_samples, final_factor, power, tuple(sorted(drops)))
 
 
+def warmup_outlasts_run(s: Schedule, budget: Budget) -> str | None:
+    """A warning when the run ends before its warmup does (the LR never reaches its scaled peak), else None."""
+    if s.warmup_samples <= budget.last_step_samples:
+        return None
+    nominal = s.base_lr * scaling_factor(s.global_batch, s.base_batch, s.scaling)
+    top, _ = peak(s, budget)
+    return (f"the warmup ({s.warmup_samples:,} samples) outlasts the run (its last step starts at sample "
+            f"{budget.last_step_samples:,}): "
+            f"the LR stops at {top:g}, never reaching its scaled peak {nominal:g}; shorten schedule.warmup_epochs "
+            "or train longer")
+
+
 def describe(s: Schedule, budget: Budget) -> str:
     """`lr: peak 6.4 at sample 286,720 (step 70) = base 0.1 x linear 64; linear warmup from 0.1; cosine decay`."""
     top, at = peak(s, budget)

@@ -177,6 +177,11 @@ def build_parts(config: dict, ctx: lbt_dist.DistContext, extra_techniques: list[
             technique.check_plan(layout)
     budget = make_budget(plans, num_train, trainer_cfg["max_steps"])
     schedule = lbt_lr.build_schedule(config["schedule"], config["optim"]["lr"], plan.global_batch, budget)
+    for technique in techniques:
+        if technique.replaces_lr_decay and schedule.decay != "constant" and ctx.is_main:
+            print(f"lbt: warning: technique {technique.name} replaces the LR decay (Smith et al. 2017), but "
+                  f"schedule.decay={schedule.decay} decays it too; use schedule=constant, as recipe=smith2017_ramp "
+                  "does", file=sys.stderr, flush=True)
     return Parts(data, plan, budget, schedule, model, optimizer, loss_fn, techniques)
 
 
@@ -266,6 +271,24 @@ def _print_start(config: dict, parts: Parts, run_dir: str) -> None:
         print(f"techniques: {' | '.join(t.describe() for t in parts.techniques)}", flush=True)
     print(f"{parts.plan.describe(len(parts.data.train))} {lbt_lr.describe(parts.schedule, parts.budget)} "
           f"run_dir={run_dir}", flush=True)
+    warning = lbt_lr.warmup_outlasts_run(parts.schedule, parts.budget)
+    if warning:
+        print(f"lbt: warning: {warning}", file=sys.stderr, flush=True)
+
+
+def run_identity(config: dict, parts: Parts) -> dict[str, str]:
+    """What tells two runs apart in TensorBoard's HParams table besides batch and LR: model, data,
+    optimizer, schedule and techniques (without them, runs differing only there look identical)."""
+    def target(node: dict) -> str:
+        return str(node.get("_target_", "?")).rsplit(".", 1)[-1]
+
+    s = parts.schedule
+    warmup = f"{s.warmup_mode} warmup {s.warmup_samples:,} samples" if s.warmup_samples else "no warmup"
+    optim = config["optim"]
+    return {"model": target(config["model"]), "data": target(config["data"]),
+            "optim": str(optim.get("optimizer_class") or target(optim)).rsplit(".", 1)[-1],
+            "schedule": f"{s.scaling} scaling, {warmup}, {s.decay} decay",
+            "techniques": ", ".join(t.describe() for t in parts.techniques) or "none"}
 
 
 def _finish(config: dict, parts: Parts, result: Result, run_dir: str, logger: RunLogger) -> dict:
@@ -294,7 +317,7 @@ def _finish(config: dict, parts: Parts, result: Result, run_dir: str, logger: Ru
     logger.hparams(
         {"world_size": plan.world_size, "per_worker_batch": plan.per_worker_batch,
          "global_batch": plan.global_batch, "recipe": config["recipe"], "lr": base_lr, "peak_lr": peak_lr,
-         "peak_lr_samples": peak_samples, "seed": config["trainer"]["seed"]},
+         "peak_lr_samples": peak_samples, "seed": config["trainer"]["seed"], **run_identity(config, parts)},
         {f"hparam/final_{result.eval_split}_acc": result.final_acc,
          f"hparam/best_{result.eval_split}_acc": result.best_acc,
          **({"hparam/test_acc": result.test_acc} if result.eval_split == "val" and result.test_acc is not None

@@ -219,7 +219,7 @@ class Trainer:
                 technique.on_epoch_start(s.epoch, self.model)
         set_per_worker_batch(self.worker_norms, plan.per_worker_batch)
         batches = StepBatches(self.data.train, plan, self.ctx.rank, self.settings.seed, self.ctx.device)
-        bar = self._bar(s.epoch, batches.steps_per_epoch, s.step_in_epoch)
+        bar = self._bar(s.epoch, steps, s.step_in_epoch)  # the steps this epoch takes (max_steps may cut it)
         self.window.start()
         data_start = time.perf_counter()
         for inputs, labels in batches.epoch(s.epoch, s.step_in_epoch, steps):
@@ -413,7 +413,8 @@ class Trainer:
             return None
         from tqdm import tqdm
 
-        return tqdm(total=steps, initial=done, desc=f"epoch {epoch + 1}/{len(self.budget.plans)}", unit="step",
+        epochs = sum(1 for n in self.budget.steps if n)  # the epochs that take a step (max_steps may end early)
+        return tqdm(total=steps, initial=done, desc=f"epoch {epoch + 1}/{epochs}", unit="step",
                     leave=False, dynamic_ncols=True)
 
     def say(self, line: str) -> None:

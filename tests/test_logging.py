@@ -34,7 +34,10 @@ def test_tensorboard_and_result_json(tmp_path):
     hparams = events.PluginTagToContent("hparams")
     start = plugin_data_pb2.HParamsPluginData.FromString(hparams["_hparams_/session_start_info"]).session_start_info
     assert set(start.hparams) == {"world_size", "per_worker_batch", "global_batch", "recipe", "lr", "peak_lr",
-                                  "peak_lr_samples", "seed"}
+                                  "peak_lr_samples", "seed", "model", "data", "optim", "schedule", "techniques"}
+    # Runs that differ only in optimizer, schedule or techniques must not look identical there.
+    assert start.hparams["optim"].string_value == "SGD" and start.hparams["techniques"].string_value == "none"
+    assert "cosine decay" in start.hparams["schedule"].string_value
     assert {"hparam/final_val_acc", "hparam/best_val_acc", "hparam/test_acc"} <= tags
     assert start.hparams["global_batch"].number_value == 64 and start.hparams["recipe"].string_value == "baseline"
     assert events.Scalars("hparam/final_val_acc")[-1].value == pytest.approx(result["final_val_acc"])

@@ -67,6 +67,9 @@ class Technique:
     # What stands in for the allreduce between the simulated workers of one process, when the
     # technique changes what an allreduce sends (compression); see lbt.techniques.comm_compression.
     simulated_comm = None
+    # True: the technique stands in for the LR decay (a batch ramp), so a decaying schedule beside it
+    # decays twice; the run warns.
+    replaces_lr_decay: ClassVar[bool] = False
 
     def on_model(self, model: nn.Module) -> nn.Module:
         return model

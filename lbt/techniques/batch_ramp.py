@@ -39,6 +39,7 @@ class BatchRamp(Technique):
 
     name = "batch_ramp"
     order = 5
+    replaces_lr_decay = True
 
     def __init__(self, milestones: list[float] = (3, 6, 8), factor: int = 2, max_global_batch: int | None = None,
                  grow: str = "per_worker_batch"):

@@ -1,0 +1,44 @@
+"""What a run does that a user would not guess is said up front: warnings at start, honest progress bars."""
+
+import pytest
+
+from conftest import FAST, train
+
+
+def test_a_warmup_longer_than_the_run_is_warned_about(tmp_path, capsys):
+    """goyal2017 warms up over 5 epochs; a 1-epoch run never reaches its scaled peak LR."""
+    train(tmp_path, ["recipe=goyal2017", "trainer.epochs=1", "dist.world_size=4", "trainer.max_steps=3"])
+    err = capsys.readouterr().err
+    assert "lbt: warning: the warmup" in err and "never reaching its scaled peak 0.4" in err
+
+
+def test_no_warning_when_the_warmup_ends_in_time(tmp_path, capsys):
+    train(tmp_path, ["recipe=goyal2017", "trainer.epochs=6", "schedule.warmup_epochs=1", "dist.world_size=4"])
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_a_batch_ramp_beside_a_decaying_schedule_is_warned_about(tmp_path, capsys):
+    train(tmp_path, ["technique=[batch_ramp]", "trainer.epochs=2", "technique.batch_ramp.milestones=[1]"])
+    assert "replaces the LR decay" in capsys.readouterr().err
+    train(tmp_path / "constant", ["technique=[batch_ramp]", "schedule=constant", "trainer.epochs=2",
+                                  "technique.batch_ramp.milestones=[1]"])
+    assert "replaces the LR decay" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("max_steps, totals", [(5, [5]), (None, [8, 8])])
+def test_the_progress_bar_counts_the_steps_the_run_takes(tmp_path, monkeypatch, max_steps, totals):
+    """With trainer.max_steps the bar ends at 100%, over the epochs the run takes, not the full budget."""
+    import tqdm
+
+    bars = []
+
+    class Recording(tqdm.tqdm):
+        def __init__(self, *args, **kwargs):
+            bars.append(kwargs)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(tqdm, "tqdm", Recording)
+    steps = [] if max_steps is None else [f"trainer.max_steps={max_steps}"]
+    train(tmp_path, ["trainer.progress=true", "trainer.epochs=2", *steps])
+    assert [b["total"] for b in bars] == totals
+    assert [b["desc"] for b in bars] == [f"epoch {e + 1}/{len(totals)}" for e in range(len(totals))]
