@@ -288,7 +288,9 @@ def process_group(backend: str, rank: int, procs: int, timeout_s: float, store_p
 def note(message: str) -> None:
     """A `lbt: note:` line on stderr, from rank 0 only (every rank reaches the same conclusions)."""
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"lbt: note: {message}", file=sys.stderr, flush=True)
+        from lbt.metrics.text_log import say
+
+        say(f"lbt: note: {message}", stderr=True)
 
 
 def flush_std() -> None:

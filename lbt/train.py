@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -32,6 +32,7 @@ from lbt.data import DataSplits
 from lbt.errors import ConfigError
 from lbt.validate import integer
 from lbt.metrics.tensorboard import RunLogger
+from lbt.metrics.text_log import say, text_log
 from lbt.paths import atomic_write
 from lbt.techniques import Technique, sort_techniques
 from lbt.trainer import LoopSettings, Result, Trainer
@@ -179,9 +180,9 @@ def build_parts(config: dict, ctx: lbt_dist.DistContext, extra_techniques: list[
     schedule = lbt_lr.build_schedule(config["schedule"], config["optim"]["lr"], plan.global_batch, budget)
     for technique in techniques:
         if technique.replaces_lr_decay and schedule.decay != "constant" and ctx.is_main:
-            print(f"lbt: warning: technique {technique.name} replaces the LR decay (Smith et al. 2017), but "
-                  f"schedule.decay={schedule.decay} decays it too; use schedule=constant, as recipe=smith2017_ramp "
-                  "does", file=sys.stderr, flush=True)
+            say(f"lbt: warning: technique {technique.name} replaces the LR decay (Smith et al. 2017), but "
+                f"schedule.decay={schedule.decay} decays it too; use schedule=constant, as recipe=smith2017_ramp "
+                "does", stderr=True)
     return Parts(data, plan, budget, schedule, model, optimizer, loss_fn, techniques)
 
 
@@ -232,9 +233,10 @@ def _train_process(rank: int, store_port: int | None, config: dict, run_dir: str
     torch.set_num_threads(trainer_cfg.get("threads") or max(1, (os.cpu_count() or 1) // local_procs))
     device = lbt_dist.pick_device(trainer_cfg["device"], local_rank)
     backend = lbt_dist.pick_backend(dist_cfg["backend"], device)
-    with lbt_dist.process_group(backend, rank, procs, dist_cfg["timeout_s"], store_port):
+    with lbt_dist.process_group(backend, rank, procs, dist_cfg["timeout_s"], store_port), ExitStack() as stack:
         if store_port is None and procs > 1:
             run_dir = _agree_on_run_dir(run_dir)
+        stack.enter_context(text_log(run_dir if rank == 0 else None))
         ctx = lbt_dist.DistContext(rank, procs, local_rank, dist_cfg["world_size"], device)
         started = time.perf_counter()
         parts = build_parts(config, ctx, extra_techniques)
@@ -266,14 +268,14 @@ def _train_process(rank: int, store_port: int | None, config: dict, run_dir: str
 
 def _print_start(config: dict, parts: Parts, run_dir: str) -> None:
     """The resolved config, then one line with the batch arithmetic and the LR it leads to."""
-    print(OmegaConf.to_yaml(OmegaConf.create(config)), flush=True)
+    say(OmegaConf.to_yaml(OmegaConf.create(config)))
     if parts.techniques:
-        print(f"techniques: {' | '.join(t.describe() for t in parts.techniques)}", flush=True)
-    print(f"{parts.plan.describe(len(parts.data.train))} {lbt_lr.describe(parts.schedule, parts.budget)} "
-          f"run_dir={run_dir}", flush=True)
+        say(f"techniques: {' | '.join(t.describe() for t in parts.techniques)}")
+    say(f"{parts.plan.describe(len(parts.data.train))} {lbt_lr.describe(parts.schedule, parts.budget)} "
+        f"run_dir={run_dir}")
     warning = lbt_lr.warmup_outlasts_run(parts.schedule, parts.budget)
     if warning:
-        print(f"lbt: warning: {warning}", file=sys.stderr, flush=True)
+        say(f"lbt: warning: {warning}", stderr=True)
 
 
 def run_identity(config: dict, parts: Parts) -> dict[str, str]:
@@ -328,8 +330,8 @@ def _finish(config: dict, parts: Parts, result: Result, run_dir: str, logger: Ru
                  lambda f: f.write(json.dumps(summary, indent=2, allow_nan=True).encode()))
     state = "DIVERGED" if result.diverged else f"{result.eval_split}_acc={result.final_acc:.4f}"
     test = f" test_acc={result.test_acc:.4f}" if result.test_acc is not None and result.eval_split != "test" else ""
-    print(f"done: {state}{test} steps={result.steps} samples/s={result.samples_per_sec:,.0f} "
-          f"wall={result.wall_seconds:.1f}s -> {run_dir}/result.json", flush=True)
+    say(f"done: {state}{test} steps={result.steps} samples/s={result.samples_per_sec:,.0f} "
+        f"wall={result.wall_seconds:.1f}s -> {run_dir}/result.json")
     return summary
 
 

@@ -37,6 +37,7 @@ from lbt.dist import BufferMean, DistContext, all_reduce_sum, average_buffers
 from lbt.fused import per_worker_batchnorm, set_per_worker_batch
 from lbt.lr import Schedule, lr_at, peak
 from lbt.metrics.tensorboard import RunLogger
+from lbt.metrics.text_log import say
 from lbt.metrics.window import TrainWindow
 from lbt.metrics.timing import StepTimer
 from lbt.techniques.base import Progress, Technique
@@ -419,7 +420,7 @@ class Trainer:
 
     def say(self, line: str) -> None:
         if self.ctx.is_main:
-            print(line, flush=True)
+            say(line)
 
     # -- checkpoints ----------------------------------------------------------
     def save_checkpoint(self) -> None:

@@ -35,6 +35,7 @@ import contextlib
 import itertools
 import json
 import math
+import os
 import statistics
 import time
 import warnings
@@ -456,14 +457,14 @@ def run_trial(optuna, study, plan: Plan, cell: Cell, done: int, armed: bool) -> 
 
 def train_run(plan: Plan, cell: Cell, compose_overrides: list[str], run_dir: Path, overrides: list[str],
               tune_record: dict, techniques: list[Technique] = (), resume: bool = False) -> dict:
-    """One run of the cell, as `lbt train` composes it, in this process; its output goes to run_dir/train.log."""
+    """One run of the cell, as `lbt train` composes it, in this process, quietly: its text log is run_dir/train.log."""
     config, recipe = compose(plan.head + plan.fixed + cell.axes + compose_overrides)
     config["tune"] = {**{k: v for k, v in (config.get("tune") or {}).items() if k not in ("grid", "space")},
                       "cell": cell.name, **tune_record}
     if resume:
         config["trainer"]["resume"] = "auto"
     run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / "train.log", "a") as log, contextlib.redirect_stdout(log):
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
         return run(config, run_dir, recipe=recipe, overrides=overrides, techniques=list(techniques))
 
 

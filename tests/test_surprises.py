@@ -42,3 +42,20 @@ def test_the_progress_bar_counts_the_steps_the_run_takes(tmp_path, monkeypatch, 
     train(tmp_path, ["trainer.progress=true", "trainer.epochs=2", *steps])
     assert [b["total"] for b in bars] == totals
     assert [b["desc"] for b in bars] == [f"epoch {e + 1}/{len(totals)}" for e in range(len(totals))]
+
+
+@pytest.mark.parametrize("procs", [1, 2])
+def test_train_log_holds_the_epoch_lines_and_the_closing_line(tmp_path, procs):
+    """A background or cluster run has a text log: the lines the console shows, timestamped, once each."""
+    from conftest import lbt_cli
+
+    result = lbt_cli(["train", *FAST, f"dist.procs={procs}", "dist.world_size=2", "trainer.epochs=2",
+                      f"hydra.run.dir={tmp_path}"], tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr
+    log = (tmp_path / "train.log").read_text()
+    epoch_lines = [line for line in log.splitlines() if " epoch 2/2 step " in line]
+    assert len(epoch_lines) == 1 and "train_loss=" in epoch_lines[0]
+    assert log.count("done: test_acc=") == 1 and "world_size=2" in log
+    assert epoch_lines[0][:4].isdigit()  # timestamped
+    # The console shows the same lines, untimestamped.
+    assert "epoch 2/2 step" in result.stdout and "done: test_acc=" in result.stdout

@@ -1,0 +1,40 @@
+"""train.log: the run's text log in its folder, for runs nobody watches (background, cluster jobs).
+
+What a run says on the console (its resolved config, the start line, warnings and notes, the
+epoch lines and the closing line) also goes, timestamped, to `<run_dir>/train.log` through the
+`lbt.run` logger. lbt writes the file itself rather than relying on Hydra's job logging: the
+processes of lbt's local launcher are spawned, and Hydra configured logging only in their parent.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+LOG = logging.getLogger("lbt.run")
+LOG.setLevel(logging.INFO)
+LOG.propagate = False  # Hydra's root handlers would print every line a second time
+
+
+@contextmanager
+def text_log(run_dir: str | Path | None):
+    """Append what `say` says to run_dir/train.log while the block runs (no file where run_dir is None)."""
+    if run_dir is None:
+        yield
+        return
+    handler = logging.FileHandler(Path(run_dir) / "train.log", encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+    LOG.addHandler(handler)
+    try:
+        yield
+    finally:
+        LOG.removeHandler(handler)
+        handler.close()
+
+
+def say(line: str, stderr: bool = False) -> None:
+    """Print a line (stdout, or stderr for warnings and notes) and write it to the run's train.log."""
+    print(line, file=sys.stderr if stderr else sys.stdout, flush=True)
+    LOG.info(line)
