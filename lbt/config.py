@@ -44,6 +44,7 @@ class TrainerConfig:
     device: str = "auto"
     threads: Optional[int] = None
     checkpoint_every: int = 1
+    keep_checkpoints: int = 2
     resume: Optional[str] = None
 
 
@@ -70,6 +71,7 @@ def check_trainer(cfg: dict) -> None:
     integer("trainer.log_every", cfg["log_every"])
     integer("trainer.evals", cfg["evals"], 0, 10_000)
     integer("trainer.checkpoint_every", cfg["checkpoint_every"], 0)
+    integer("trainer.keep_checkpoints", cfg["keep_checkpoints"], 1, 1000)
     one_of("trainer.resume", cfg["resume"], (None, "auto"))
     one_of("trainer.device", cfg["device"], ("auto", "cpu", "cuda"))
     if cfg["max_steps"] is not None:

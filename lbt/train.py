@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lbt import dist as lbt_dist
 from lbt import lr as lbt_lr
-from lbt.checkpoint import Checkpointer
+from lbt.checkpoint import Checkpointer, run_identity
 from lbt.config import (DEFAULT_PER_WORKER_BATCH, BatchPlan, Budget, check_dist, check_trainer, make_budget,
                         plan_batches)
 from lbt.data import DataSplits
@@ -198,8 +198,13 @@ def _train_process(rank: int, store_port: int | None, config: dict, run_dir: str
         parts = build_parts(config, ctx, extra_techniques)
         if ctx.is_main:
             _print_start(config, parts, run_dir)
-        checkpointer = Checkpointer(run_dir, rank, procs)
-        resume = checkpointer.load_latest() if trainer_cfg["resume"] == "auto" else None
+        checkpointer = Checkpointer(run_dir, rank, procs, trainer_cfg["keep_checkpoints"],
+                                    run_identity(config, parts.plan.per_worker_batch, parts.plan.global_batch))
+        resume = None
+        if trainer_cfg["resume"] == "auto":
+            resume = checkpointer.load_latest()
+        else:
+            checkpointer.refuse_other_run()
         # TensorBoard purges what a stopped run logged after its checkpoint.
         loop = resume[0]["loop"] if resume else {"step": 0, "samples_seen": 0}
         logger = RunLogger(run_dir if ctx.is_main else None, loop["step"], loop["samples_seen"])
