@@ -193,16 +193,28 @@ class Checkpointer:
         path = self.root / LATEST
         return json.loads(path.read_text()) if path.is_file() else None
 
-    def refuse_other_run(self) -> None:
-        """A fresh start must not leave an earlier run's checkpoint for a later
-        resume to pick up, nor mix its checkpoints with that run's."""
+    def refuse_other_run(self, tidy: bool = True) -> None:
+        """A fresh start must not leave an earlier run's checkpoint for a later resume to pick up, nor mix
+        its checkpoints with that run's. `tidy`: remove what a run killed in its first checkpoint left."""
         folders = self._complete()
         if folders:
             raise ConfigError(
                 f"{self.root.parent} already holds a checkpoint (step {_step_of(folders[0])}); continue that run "
                 "with trainer.resume=auto, or start this one in another folder (hydra.run.dir=...)")
-        if self.rank == 0:
-            self._prune()  # partial folders of a run killed during its first checkpoint
+        if tidy and self.rank == 0:
+            self._prune()
+
+    def check_newest_belongs(self) -> None:
+        """The newest readable manifest against this run, without reading the checkpoint files
+        (a quick check before anything is written; load_latest checks again, with the checksums)."""
+        for folder in self._complete():
+            try:
+                manifest = json.loads((folder / MANIFEST).read_text())
+                manifest["procs"]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # damaged: load_latest falls back, and says so
+            self._check_belongs(manifest)
+            return
 
     def load_latest(self) -> tuple[dict, dict] | None:
         """(rank 0's main state, this rank's own state) of the newest intact checkpoint; None, with a note, if none.

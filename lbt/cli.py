@@ -22,7 +22,7 @@ from lbt import dist as lbt_dist
 from lbt.compose import one_line, register_schemas
 from lbt.errors import ConfigError
 from lbt.paths import conf_dir
-from lbt.train import check_layout, exit_worker, record_failure, run
+from lbt.train import check_layout, check_run_folder, exit_worker, record_failure, run
 
 USAGE = """usage: lbt COMMAND [args]
 
@@ -71,6 +71,9 @@ def precheck(overrides: list[str]) -> None:
         folders = {o.key_or_group: o.value() for o in parsed if o.key_or_group in ("hydra.run.dir", "hydra.sweep.dir")}
         for key, folder in (folders or {"hydra.run.dir": "runs"}).items():
             check_writable(str(folder), key)
+        if "hydra.run.dir" in folders:
+            # Refused before Hydra writes the command's .hydra/ config over the run it would not continue.
+            check_run_folder(config, str(folders["hydra.run.dir"]))
     except ConfigError as error:
         fail(str(error))
     except Exception as error:  # Hydra / OmegaConf composition errors

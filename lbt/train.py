@@ -124,6 +124,20 @@ def check_layout(config: dict, env: dict | None) -> int:
     return procs
 
 
+def check_run_folder(config: dict, run_dir: str) -> None:
+    """The run folder's checkpoint against this run (config checked by check_layout), before anything is
+    written: a fresh start over a checkpoint, or a resume of another run's, is a ConfigError.
+    The workers check again, with the checksums (`Checkpointer.load_latest`)."""
+    dist_cfg, trainer = config["dist"], config["trainer"]
+    plan = plan_batches(dist_cfg["world_size"], dist_cfg["procs"], trainer["per_worker_batch"], trainer["global_batch"])
+    checkpointer = Checkpointer(Path(run_dir).expanduser(), 0, dist_cfg["procs"],
+                                identity=run_identity(config, plan.per_worker_batch, plan.global_batch))
+    if trainer["resume"] == "auto" or lbt_dist.elastic_restarts():  # torchrun restarts resume (see run())
+        checkpointer.check_newest_belongs()
+    else:
+        checkpointer.refuse_other_run(tidy=False)
+
+
 def build(node: dict, where: str, **kwargs):
     """hydra.utils.instantiate; a constructor rejecting its config values is a ConfigError naming `where`.
 

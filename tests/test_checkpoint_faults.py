@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import lbt.checkpoint
-from conftest import train
+from conftest import FAST, lbt_cli, train
 from lbt.errors import ConfigError
 
 STEPS_PER_EPOCH = 4  # 256 samples / global batch 64
@@ -150,3 +150,21 @@ def test_a_checkpoint_of_the_previous_format_is_a_one_line_error(tmp_path):
         json.dumps({"step": 8, "folder": "step_8", "procs": 1, "format": 2}))
     with pytest.raises(ConfigError, match="format 2 of an older lbt"):
         lbt.checkpoint.Checkpointer(tmp_path, 0, 1).load_latest()
+
+
+@pytest.mark.slow
+def test_refusals_are_one_line_from_the_command_line_with_two_processes(tmp_path):
+    """What a user sees: exit code 2, one `lbt: error:` line, the run folder untouched (P=2: rank 0 checks
+    the checkpoint and tells rank 1)."""
+    args = ["train", *FAST, *RUN, "trainer.epochs=2", "dist.world_size=2", "dist.procs=2",
+            f"hydra.run.dir={tmp_path / 'run'}"]
+    first = lbt_cli(args, tmp_path, timeout=180)
+    assert first.returncode == 0, first.stderr
+    before = snapshot(tmp_path / "run")
+    for extra, expected in [([], "already holds a checkpoint (step 4)"),
+                            (["trainer.resume=auto", "dist.world_size=4"], "dist.world_size (2 -> 4)")]:
+        refused = lbt_cli(args + extra, tmp_path, timeout=180)
+        lines = [line for line in refused.stderr.splitlines() if line.strip() and not line.startswith("lbt: note:")]
+        assert refused.returncode == 2 and len(lines) == 1 and lines[0].startswith("lbt: error:"), refused.stderr
+        assert expected in lines[0]
+        assert snapshot(tmp_path / "run") == before  # refused before Hydra writes its .hydra/ config
