@@ -122,6 +122,8 @@ def run_job(job: Job) -> dict:
         return json.loads(result_file.read_text())
     job.run_dir.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "lbt", "train", *job.overrides, f"hydra.run.dir={job.run_dir}"]
+    if (job.run_dir / "checkpoint").is_dir():  # an interrupted job continues (a fresh start there is refused)
+        command.append("trainer.resume=auto")
     (job.run_dir / "command.txt").write_text(" ".join(command[2:]) + "\n")
     with open(job.run_dir / "train.log", "w") as log:
         code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT,

@@ -27,7 +27,7 @@ from lbt import dist as lbt_dist
 from lbt.compose import explain, one_line, register_schemas
 from lbt.errors import ConfigError
 from lbt.paths import conf_dir
-from lbt.train import check_layout, exit_worker, record_failure, run
+from lbt.train import check_layout, check_run_folder, exit_worker, record_failure, run
 
 USAGE = """usage: lbt COMMAND [args]
 
@@ -90,16 +90,20 @@ def precheck(overrides: list[str], config_dir: str | None = None, config_name: s
     searchpath = [f"hydra.searchpath=[file://{search[-1]}]"] if config_dir else []
     # Hydra's own settings (launcher, sweeper, run folder) are Hydra's to check.
     ours = [o for o in parsed if not o.key_or_group.startswith("hydra")]
-    for job in sweep_jobs(ours):
+    jobs = sweep_jobs(ours)
+    for job in jobs:
         label = " ".join(o for o, swept in job if swept)
         try:
-            check_job([o for o, _ in job] + searchpath, config_name, search)
+            config = check_job([o for o, _ in job] + searchpath, config_name, search)
         except ConfigError as error:
             fail(f"job {label}: {error}" if label and not str(error).startswith(label.split()[0]) else str(error))
     folders = {o.key_or_group: o.value() for o in parsed if o.key_or_group in ("hydra.run.dir", "hydra.sweep.dir")}
     try:
         for key, folder in (folders or {"hydra.run.dir": "runs"}).items():
             check_writable(str(folder), key)
+        if "hydra.run.dir" in folders and len(jobs) == 1:
+            # Refused before Hydra writes the command's .hydra/ config over the run it would not continue.
+            check_run_folder(config, str(folders["hydra.run.dir"]))
     except ConfigError as error:
         fail(str(error))
 
@@ -119,7 +123,7 @@ def sweep_jobs(parsed: list) -> list[list[tuple[str, bool]]]:
     return [first[:i] + [value] + first[i + 1:] for i, axis in enumerate(axes) for value in axis[1:]] + [first]
 
 
-def check_job(overrides: list[str], config_name: str, search: list[Path]) -> None:
+def check_job(overrides: list[str], config_name: str, search: list[Path]) -> dict:
     """One job's config: composed, every mandatory value given, the layout checked; else a ConfigError."""
     from hydra import compose, initialize_config_dir
     from omegaconf.errors import MissingMandatoryValue
@@ -137,6 +141,7 @@ def check_job(overrides: list[str], config_name: str, search: list[Path]) -> Non
     except Exception as error:  # an interpolation that does not resolve
         raise ConfigError(one_line(error)) from None
     check_layout(config, lbt_dist.torchrun_env())
+    return config
 
 
 def composed_without(overrides: list[str], config_name: str, error: BaseException) -> dict | None:

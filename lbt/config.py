@@ -29,6 +29,7 @@ class DistConfig:
     backend: str = "auto"
     timeout_s: int = 120
     fuse_workers: bool = True
+    max_restarts: int = 0
 
 
 @dataclass
@@ -44,6 +45,7 @@ class TrainerConfig:
     device: str = "auto"
     threads: Optional[int] = None
     checkpoint_every: int = 1
+    keep_checkpoints: int = 2
     resume: Optional[str] = None
 
 
@@ -70,6 +72,7 @@ def check_trainer(cfg: dict) -> None:
     integer("trainer.log_every", cfg["log_every"])
     integer("trainer.evals", cfg["evals"], 0, 10_000)
     integer("trainer.checkpoint_every", cfg["checkpoint_every"], 0)
+    integer("trainer.keep_checkpoints", cfg["keep_checkpoints"], 1, 1000)
     one_of("trainer.resume", cfg["resume"], (None, "auto"))
     one_of("trainer.device", cfg["device"], ("auto", "cpu", "cuda"))
     if cfg["max_steps"] is not None:
@@ -81,6 +84,10 @@ def check_trainer(cfg: dict) -> None:
 def check_dist(cfg: dict, under_torchrun: bool) -> None:
     number("dist.timeout_s", cfg["timeout_s"], 0, 86_400, low_open=True)
     one_of("dist.backend", cfg["backend"], ("auto", "gloo", "nccl"))
+    integer("dist.max_restarts", cfg["max_restarts"], 0, 1000)
+    if under_torchrun and cfg["max_restarts"]:
+        raise ConfigError("dist.max_restarts is for lbt's local launcher; under torchrun give --max-restarts "
+                          "(lbt then resumes by itself)")
     if not under_torchrun and isinstance(cfg["procs"], int) and cfg["procs"] > MAX_LOCAL_PROCS:
         raise ConfigError(f"dist.procs={cfg['procs']}: lbt's local launcher starts at most {MAX_LOCAL_PROCS} "
                           "processes on one machine; use torchrun or a cluster launcher for more")

@@ -59,6 +59,11 @@ def torchrun_env() -> dict | None:
     }
 
 
+def elastic_restarts() -> int:
+    """How many times torchrun's agent (--max-restarts) has restarted this job's workers."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
 def default_procs() -> int:
     env = torchrun_env()
     if env is not None:
@@ -87,7 +92,15 @@ def init_process_group(
 ) -> None:
     """Join the job's process group: through the launcher's TCPStore, or env:// under torchrun."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    if store_port is None:
+    if store_port is None and elastic_restarts():
+        # torchrun's agent keeps serving one store across --max-restarts: the keys of the attempt that
+        # failed (rank 0's old gloo address) would be read again, so each attempt uses keys of its own.
+        agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), procs,
+                              is_master=rank == 0 and not agent_serves, timeout=timeout)
+        store = dist.PrefixStore(f"lbt/attempt_{elastic_restarts()}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=procs, timeout=timeout)
+    elif store_port is None:
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=procs, timeout=timeout)
     else:
         store = dist.TCPStore(HOST, store_port, procs, is_master=False, timeout=timeout)
@@ -95,7 +108,25 @@ def init_process_group(
 
 
 class WorkerDied(RuntimeError):
-    """A worker process of a locally launched job exited abnormally."""
+    """A worker process of a locally launched job exited abnormally.
+
+    `rank` and `how` name the worker that brought the job down; rank None: a
+    config error the worker already printed (never worth a restart).
+    """
+
+    def __init__(self, message: str, rank: int | None = None, how: str | None = None):
+        super().__init__(message)
+        self.rank, self.how = rank, how
+
+    @property
+    def restartable(self) -> bool:
+        return self.rank is not None
+
+
+def step_board(procs: int):
+    """One shared integer per process, each worker's last finished step: read after a worker dies
+    (a SIGKILLed process can say nothing), so a restart can record where it happened."""
+    return mp.get_context("spawn").RawArray("q", procs)
 
 
 def _exit_reason(code: int) -> str:
@@ -166,7 +197,8 @@ def _stop_all(processes: list, failed: list[int], procs: int) -> None:
     if codes[cause] == 2:
         # A config error inside the worker: it already printed its one line.
         raise WorkerDied("")
-    raise WorkerDied(f"worker rank {cause} failed ({_exit_reason(codes[cause])}); stopped the other {procs - 1} worker(s)")
+    how = _exit_reason(codes[cause])
+    raise WorkerDied(f"worker rank {cause} failed ({how}); stopped the other {procs - 1} worker(s)", cause, how)
 
 
 def _cause(codes: dict[int, int | None], failed: list[int]) -> int:

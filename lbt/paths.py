@@ -28,6 +28,8 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename publishes it: a power cut leaves old or new
         os.chmod(tmp, 0o644)  # mkstemp makes it private (0600); results and caches are meant to be shared
         os.replace(tmp, path)
     except BaseException:

@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lbt import dist as lbt_dist
 from lbt import lr as lbt_lr
-from lbt.checkpoint import Checkpointer
+from lbt.checkpoint import Checkpointer, run_identity
 from lbt.config import (DEFAULT_PER_WORKER_BATCH, BatchPlan, Budget, check_dist, check_trainer, make_budget,
                         plan_batches)
 from lbt.data import DataSplits
@@ -54,20 +54,60 @@ def run(cfg: DictConfig | dict, run_dir: str | Path, recipe: str | None = None,
     env = lbt_dist.torchrun_env()
     procs = check_layout(config, env)
     if env is not None:
+        restarts = lbt_dist.elastic_restarts()
+        if restarts:  # torchrun --max-restarts started the workers again after one died
+            config["trainer"]["resume"] = "auto"
         # Only rank 0 has the summary; the other torchrun ranks return {}.
-        return _train_process(env["rank"], None, config, run_dir, procs, env["local_rank"], env["local_procs"])
-    if procs == 1:
+        summary = _train_process(env["rank"], None, config, run_dir, procs, env["local_rank"], env["local_procs"])
+        if summary and restarts:
+            summary = record_restarts(run_dir, [{"by": "torchrun --max-restarts", "restarts": restarts}])
+        return summary
+    if procs == 1 and not config["dist"]["max_restarts"]:
         return _train_process(0, None, config, run_dir, 1, 0, 1, list(techniques))
     if techniques:
-        raise ConfigError("run(techniques=...) adds techniques to in-process runs only (dist.procs=1)")
+        raise ConfigError("run(techniques=...) adds techniques to in-process runs only (dist.procs=1, "
+                          "dist.max_restarts=0)")
     # Build the data once here: generates caches before the workers start and
     # reports a missing dataset as one line from one process.
     build(config["data"], "data")
-    lbt_dist.launch_local(_spawned_process, (config, run_dir, procs), procs)
+    restarts = launch_with_restarts(config, run_dir, procs)
     result_path = Path(run_dir) / "result.json"
     if not result_path.exists():  # stopped by a signal after a checkpoint
         return {"stopped": True}
-    return json.loads(result_path.read_text())
+    return record_restarts(run_dir, restarts) if restarts else json.loads(result_path.read_text())
+
+
+def record_restarts(run_dir: str, restarts: list[dict]) -> dict:
+    """Add the job's restarts to the result.json its last attempt wrote; return the result."""
+    path = Path(run_dir) / "result.json"
+    result = {**json.loads(path.read_text()), "restarts": restarts}
+    atomic_write(path, lambda f: f.write(json.dumps(result, indent=2, allow_nan=True).encode()))
+    return result
+
+
+def launch_with_restarts(config: dict, run_dir: str, procs: int) -> list[dict]:
+    """Start the workers; when one dies, start them again from the last checkpoint, dist.max_restarts times.
+
+    lbt's resume is exact, so a restarted job ends with the parameters of an uninterrupted one.
+    A config error is not retried (the worker printed it; it would fail again), nor is a diverged
+    run (its workers end well). Returns one record per restart: which rank died, how, at which
+    step, and the step the job continued from.
+    """
+    restarts, limit = [], config["dist"]["max_restarts"]
+    while True:
+        steps = lbt_dist.step_board(procs)
+        try:
+            lbt_dist.launch_local(_spawned_process, (steps, config, run_dir, procs), procs)
+            return restarts
+        except lbt_dist.WorkerDied as died:
+            if not died.restartable or len(restarts) >= limit:
+                raise
+            latest = Checkpointer(run_dir, 0, procs).latest()
+            restarts.append({"rank": died.rank, "how": died.how, "step": steps[died.rank],
+                             "resumed_from_step": latest["step"] if latest else 0})
+            print(f"lbt: note: {died} after step {steps[died.rank]}; restarting ({len(restarts)} of {limit}) "
+                  f"from the checkpoint at step {restarts[-1]['resumed_from_step']}", file=sys.stderr, flush=True)
+        config = {**config, "trainer": {**config["trainer"], "resume": "auto"}}
 
 
 def check_layout(config: dict, env: dict | None) -> int:
@@ -119,6 +159,20 @@ def check_model_takes(model: torch.nn.Module, data: DataSplits) -> None:
                           "torchvision)") from None
     finally:
         model.train(training)
+
+
+def check_run_folder(config: dict, run_dir: str) -> None:
+    """The run folder's checkpoint against this run (config checked by check_layout), before anything is
+    written: a fresh start over a checkpoint, or a resume of another run's, is a ConfigError.
+    The workers check again, with the checksums (`Checkpointer.load_latest`)."""
+    dist_cfg, trainer = config["dist"], config["trainer"]
+    plan = plan_batches(dist_cfg["world_size"], dist_cfg["procs"], trainer["per_worker_batch"], trainer["global_batch"])
+    checkpointer = Checkpointer(Path(run_dir).expanduser(), 0, dist_cfg["procs"],
+                                identity=run_identity(config, plan.per_worker_batch, plan.global_batch))
+    if trainer["resume"] == "auto" or lbt_dist.elastic_restarts():  # torchrun restarts resume (see run())
+        checkpointer.check_newest_belongs()
+    else:
+        checkpointer.refuse_other_run(tidy=False)
 
 
 def build(node: dict, where: str, **kwargs):
@@ -198,10 +252,16 @@ def build_techniques(config: dict) -> list[Technique]:
     return sort_techniques(techniques)
 
 
-def _spawned_process(rank: int, store_port: int, config: dict, run_dir: str, procs: int) -> None:
-    """Body of a process started by lbt's local launcher: one line per failure, no traceback for user errors."""
+def _spawned_process(rank: int, store_port: int, steps, config: dict, run_dir: str, procs: int) -> None:
+    """Body of a process started by lbt's local launcher: one line per failure, no traceback for user errors.
+
+    `steps` (lbt.dist.step_board): where this rank writes each step it finishes.
+    """
+    def on_step(step: int) -> None:
+        steps[rank] = step
+
     try:
-        _train_process(rank, store_port, config, run_dir, procs, rank, procs)
+        _train_process(rank, store_port, config, run_dir, procs, rank, procs, on_step=on_step)
     except ConfigError as error:
         if rank == 0:
             print(f"lbt: error: {error}", file=sys.stderr, flush=True)
@@ -226,7 +286,8 @@ def exit_worker() -> None:
 
 
 def _train_process(rank: int, store_port: int | None, config: dict, run_dir: str, procs: int, local_rank: int,
-                   local_procs: int, extra_techniques: list[Technique] = ()) -> dict:
+                   local_procs: int, extra_techniques: list[Technique] = (),
+                   on_step: Callable[[int], None] | None = None) -> dict:
     dist_cfg, trainer_cfg = config["dist"], config["trainer"]
     # Share the cores among the processes of this machine, so P=2 on 2 cores
     # does not oversubscribe them.
@@ -242,8 +303,13 @@ def _train_process(rank: int, store_port: int | None, config: dict, run_dir: str
         parts = build_parts(config, ctx, extra_techniques)
         if ctx.is_main:
             _print_start(config, parts, run_dir)
-        checkpointer = Checkpointer(run_dir, rank, procs)
-        resume = checkpointer.load_latest() if trainer_cfg["resume"] == "auto" else None
+        checkpointer = Checkpointer(run_dir, rank, procs, trainer_cfg["keep_checkpoints"],
+                                    run_identity(config, parts.plan.per_worker_batch, parts.plan.global_batch))
+        resume = None
+        if trainer_cfg["resume"] == "auto":
+            resume = checkpointer.load_latest()
+        else:
+            checkpointer.refuse_other_run()
         # TensorBoard purges what a stopped run logged after its checkpoint.
         loop = resume[0]["loop"] if resume else {"step": 0, "samples_seen": 0}
         logger = RunLogger(run_dir if ctx.is_main else None, loop["step"], loop["samples_seen"])
@@ -252,6 +318,7 @@ def _train_process(rank: int, store_port: int | None, config: dict, run_dir: str
                                 fuse_workers=dist_cfg["fuse_workers"], checkpoint_every=trainer_cfg["checkpoint_every"])
         trainer = Trainer(parts.model, parts.optimizer, parts.loss_fn, parts.techniques, parts.schedule,
                           parts.budget, parts.data, ctx, settings, logger, checkpointer)
+        trainer.on_step = on_step
         if resume is not None:
             trainer.load_checkpoint(*resume)
             trainer.say(f"resumed from step {trainer.state.step} (epoch {trainer.state.epoch + 1}) in {run_dir}")
@@ -278,7 +345,7 @@ def _print_start(config: dict, parts: Parts, run_dir: str) -> None:
         say(f"lbt: warning: {warning}", stderr=True)
 
 
-def run_identity(config: dict, parts: Parts) -> dict[str, str]:
+def hparams_identity(config: dict, parts: Parts) -> dict[str, str]:
     """What tells two runs apart in TensorBoard's HParams table besides batch and LR: model, data,
     optimizer, schedule and techniques (without them, runs differing only there look identical)."""
     def target(node: dict) -> str:
@@ -319,7 +386,7 @@ def _finish(config: dict, parts: Parts, result: Result, run_dir: str, logger: Ru
     logger.hparams(
         {"world_size": plan.world_size, "per_worker_batch": plan.per_worker_batch,
          "global_batch": plan.global_batch, "recipe": config["recipe"], "lr": base_lr, "peak_lr": peak_lr,
-         "peak_lr_samples": peak_samples, "seed": config["trainer"]["seed"], **run_identity(config, parts)},
+         "peak_lr_samples": peak_samples, "seed": config["trainer"]["seed"], **hparams_identity(config, parts)},
         {f"hparam/final_{result.eval_split}_acc": result.final_acc,
          f"hparam/best_{result.eval_split}_acc": result.best_acc,
          **({"hparam/test_acc": result.test_acc} if result.eval_split == "val" and result.test_acc is not None

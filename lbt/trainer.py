@@ -162,6 +162,7 @@ class Trainer:
     state: LoopState
     result: Result
     stop_requested: bool  # set by SIGTERM/SIGINT (lbt.train.stop_on_signals)
+    on_step: Callable[[int], None] | None  # told each finished step (the local launcher's record of progress)
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
                  techniques: list[Technique], schedule: Schedule, budget: Budget, data: DataSplits,
@@ -189,6 +190,7 @@ class Trainer:
         self.eval_split, self.eval_set = ("val", data.val) if data.val is not None else ("test", data.test)
         self.eval_steps = evaluation_steps(budget, settings.evals)
         self.state, self.result, self.stop_requested = LoopState(), Result(self.eval_split), False
+        self.on_step = None
 
     # -- the loop -------------------------------------------------------------
     def fit(self) -> Result:
@@ -231,6 +233,8 @@ class Trainer:
             self.timer.end_step()
             s.step, s.step_in_epoch = s.step + 1, s.step_in_epoch + 1
             s.samples_seen += plan.global_batch
+            if self.on_step is not None:
+                self.on_step(s.step)
             self.window.add(loss)
             leave = log_now and self.log_window(plan, lr, correct, bar, steps)
             if s.step in self.eval_steps and s.step_in_epoch < steps:  # an epoch's end evaluates in end_epoch

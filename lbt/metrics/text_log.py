@@ -24,6 +24,7 @@ def text_log(run_dir: str | Path | None):
     if run_dir is None:
         yield
         return
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(Path(run_dir) / "train.log", encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S"))
     LOG.addHandler(handler)

@@ -1,0 +1,178 @@
+"""Checkpoints that cannot be lost and belong to their run (issue 18, sections 2 and 3).
+
+A write failing part-way (a full disk, injected) leaves the previous checkpoint
+usable; a damaged newest checkpoint is found by its checksums and the one
+before is used, ending bitwise equal to the run trained straight; none intact,
+a different run's config, or a fresh start over a checkpoint each end with one
+error and leave the folder as it was. Tiny in-process runs (synthetic data, MLP).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import lbt.checkpoint
+from conftest import FAST, lbt_cli, train
+from lbt.errors import ConfigError
+
+STEPS_PER_EPOCH = 4  # 256 samples / global batch 64
+RUN = ["model=mlp", "model.hidden=16", "data.num_train=256", "data.num_test=64", "trainer.global_batch=64",
+       "trainer.epochs=4", "trainer.log_every=2", "trainer.evals=0"]
+
+
+def step_folders(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoint").iterdir() if p.is_dir())
+
+
+def snapshot(run_dir: Path) -> dict[str, str]:
+    """Every file under run_dir with its SHA-256: what 'nothing overwritten' compares. train.log is
+    appended to (a refused attempt is logged too), so only its earlier content must stay."""
+    files = {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+             for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != "train.log"}
+    log = run_dir / "train.log"
+    return {**files, "train.log": log.read_text() if log.is_file() else ""}
+
+
+def same_snapshot(after: dict[str, str], before: dict[str, str]) -> bool:
+    return ({k: v for k, v in after.items() if k != "train.log"} == {k: v for k, v in before.items() if k != "train.log"}
+            and after["train.log"].startswith(before["train.log"]))
+
+
+def assert_same_params(a: Path, b: Path) -> None:
+    sa, sb = (torch.load(d / "final_model.pt", weights_only=True) for d in (a, b))
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    """The run trained without interruption (checkpoints after epochs 1-3, the last two kept)."""
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    train(run_dir, RUN)
+    return run_dir
+
+
+def test_the_last_two_checkpoints_are_kept_each_with_a_manifest(straight):
+    assert step_folders(straight) == ["step_12", "step_8"]  # epochs 2 and 3; step_4 pruned
+    manifest = json.loads((straight / "checkpoint" / "step_12" / "manifest.json").read_text())
+    assert manifest["step"] == 12 and set(manifest["files"]) == {"rank0.pt"}
+    assert manifest["run"]["dist.world_size"] == 1 and "trainer.epochs" not in manifest["run"]
+
+
+@pytest.mark.parametrize("failing", ["rank0.pt", "manifest.json"])
+def test_a_write_failing_part_way_leaves_the_previous_checkpoint_usable(straight, tmp_path, monkeypatch, failing):
+    real_write, saves = lbt.checkpoint.atomic_write, []
+
+    def disk_fills_up(path, write):
+        """The second checkpoint's `failing` file: some bytes reach the disk, then ENOSPC."""
+        path = Path(path)
+        if path.name == "rank0.pt":
+            saves.append(path)
+        if path.name == failing and len(saves) == 2:
+            def half(f):
+                f.write(b"PK\x03\x04 half a file")
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_write(path, half)
+        return real_write(path, write)
+
+    monkeypatch.setattr(lbt.checkpoint, "atomic_write", disk_fills_up)
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError, match="cannot write checkpoint .* No space left on device"):
+        train(run_dir, RUN)
+    assert "step_4" in step_folders(run_dir) and "step_8" not in step_folders(run_dir)
+    assert json.loads((run_dir / "checkpoint" / "latest.json").read_text())["folder"] == "step_4"
+
+    monkeypatch.setattr(lbt.checkpoint, "atomic_write", real_write)  # the disk has room again
+    resumed = train(run_dir, RUN + ["trainer.resume=auto"])
+    assert resumed["steps"] == 4 * STEPS_PER_EPOCH
+    assert_same_params(straight, run_dir)
+    assert step_folders(run_dir) == ["step_12", "step_8"]  # the failed write's leftovers are gone
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(straight, tmp_path, capfd):
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir)
+    newest = run_dir / "checkpoint" / "step_12" / "rank0.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated by a bad disk
+    capfd.readouterr()
+    resumed = train(run_dir, RUN + ["trainer.resume=auto"])
+    out, err = capfd.readouterr()
+    assert "step_12 is damaged (rank0.pt does not match its checksum)" in err
+    assert "resumed from step 8 " in out
+    assert resumed["steps"] == 4 * STEPS_PER_EPOCH
+    assert_same_params(straight, run_dir)
+    # The damaged one is kept aside for inspection, the fresh step 12 replaces it.
+    assert step_folders(run_dir) == ["step_12", "step_12.damaged", "step_8"]
+
+
+def test_no_intact_checkpoint_is_one_error_and_nothing_changes(straight, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir)
+    for step in (8, 12):
+        (run_dir / "checkpoint" / f"step_{step}" / "rank0.pt").write_bytes(b"garbage")
+    before = snapshot(run_dir)
+    with pytest.raises(ConfigError, match=r"no intact checkpoint in .*step_12: rank0.pt does not match"):
+        train(run_dir, RUN + ["trainer.resume=auto"])
+    assert same_snapshot(snapshot(run_dir), before)
+
+
+def test_resuming_with_another_runs_config_names_the_keys_and_changes_nothing(straight, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir)
+    before = snapshot(run_dir)
+    with pytest.raises(ConfigError) as error:
+        train(run_dir, RUN + ["trainer.resume=auto", "dist.world_size=2", "optim.lr=0.2"])
+    message = str(error.value)
+    assert "belongs to another run" in message and "\n" not in message
+    assert "dist.world_size (1 -> 2)" in message and "trainer.per_worker_batch (64 -> 32)" in message
+    assert "optim.lr (0.1 -> 0.2)" in message and "trainer.epochs" not in message
+    assert same_snapshot(snapshot(run_dir), before)
+
+
+def test_a_run_may_be_extended_on_resume(straight, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir)
+    extended = train(run_dir, RUN + ["trainer.resume=auto", "trainer.epochs=5", "trainer.log_every=3"])
+    assert extended["steps"] == 5 * STEPS_PER_EPOCH
+
+
+def test_a_fresh_start_over_a_checkpoint_is_refused(straight, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir)
+    before = snapshot(run_dir)
+    with pytest.raises(ConfigError, match=r"already holds a checkpoint \(step 12\); continue that run with "
+                                          r"trainer.resume=auto, or start this one in another folder"):
+        train(run_dir, RUN)
+    assert same_snapshot(snapshot(run_dir), before)
+
+
+def test_a_checkpoint_of_the_previous_format_is_a_one_line_error(tmp_path):
+    (tmp_path / "checkpoint" / "step_8").mkdir(parents=True)
+    (tmp_path / "checkpoint" / "latest.json").write_text(
+        json.dumps({"step": 8, "folder": "step_8", "procs": 1, "format": 2}))
+    with pytest.raises(ConfigError, match="format 2 of an older lbt"):
+        lbt.checkpoint.Checkpointer(tmp_path, 0, 1).load_latest()
+
+
+@pytest.mark.slow
+def test_refusals_are_one_line_from_the_command_line_with_two_processes(tmp_path):
+    """What a user sees: exit code 2, one `lbt: error:` line, the run folder untouched (P=2: rank 0 checks
+    the checkpoint and tells rank 1)."""
+    args = ["train", *FAST, *RUN, "trainer.epochs=2", "dist.world_size=2", "dist.procs=2",
+            f"hydra.run.dir={tmp_path / 'run'}"]
+    first = lbt_cli(args, tmp_path, timeout=180)
+    assert first.returncode == 0, first.stderr
+    before = snapshot(tmp_path / "run")
+    for extra, expected in [([], "already holds a checkpoint (step 4)"),
+                            (["trainer.resume=auto", "dist.world_size=4"], "dist.world_size (2 -> 4)")]:
+        refused = lbt_cli(args + extra, tmp_path, timeout=180)
+        lines = [line for line in refused.stderr.splitlines() if line.strip() and not line.startswith("lbt: note:")]
+        assert refused.returncode == 2 and len(lines) == 1 and lines[0].startswith("lbt: error:"), refused.stderr
+        assert expected in lines[0]
+        assert same_snapshot(snapshot(tmp_path / "run"), before)  # refused before Hydra writes its .hydra/ config
