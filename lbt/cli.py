@@ -303,6 +303,7 @@ def study_command(args: list[str]) -> None:
     if any(a in ("-h", "--help") for a in args):
         print(STUDY_HELP)
         return
+    report_options, args = report_flags(args)
     if not any(a.startswith("study=") for a in args):
         args = ["study=default", *args]
     sweep_dir = next((a.split("=", 1)[1] for a in args if a.startswith("hydra.sweep.dir=")), None)
@@ -316,9 +317,30 @@ def study_command(args: list[str]) -> None:
     for name, overrides in grids:
         print(f"extra sweep {name}: {' '.join(overrides)}", flush=True)
         _multirun([*own_args, *overrides, f"hydra.sweep.dir={sweep_dir}/{name}"])
-    report_command([sweep_dir])
+    report_command([sweep_dir, *report_options])
     check_sweep(sweep_dir)
     print(f"study finished in {time.perf_counter() - started:.0f} s; report: {Path(sweep_dir).resolve()}/report.md")
+
+
+def report_flags(args: list[str]) -> tuple[list[str], list[str]]:
+    """`lbt study`'s report options (--target, --tolerance, as `lbt report` takes them) apart from its overrides."""
+    flags, rest, i = [], [], 0
+    while i < len(args):
+        name = args[i].split("=", 1)[0]
+        if name in ("--target", "--tolerance"):
+            if "=" in args[i]:
+                flags.append(args[i])
+            elif i + 1 < len(args):
+                flags += args[i:i + 2]
+                i += 1
+            else:
+                fail(f"lbt study: {name} needs a value")
+            i += 1
+            continue
+        rest.append(args[i])
+        i += 1
+    report_parser().parse_args(["study_dir", *flags])  # checked now, not after the study ran
+    return flags, rest
 
 
 def tune_command(args: list[str]) -> None:
@@ -344,10 +366,23 @@ def accuracy_target(text: str) -> float:
     return value
 
 
-def report_command(args: list[str]) -> None:
+def points(text: str) -> float:
+    """Accuracy points, e.g. `1` or `0.5` (of 100)."""
     import argparse
 
-    from lbt.report import write_report
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of accuracy points (e.g. 1 or 0.5)") from None
+    if not 0 < value <= 100:
+        raise argparse.ArgumentTypeError(f"{text} is not between 0 and 100 accuracy points")
+    return value
+
+
+def report_parser():
+    import argparse
+
+    from lbt.report import DEFAULT_TOLERANCE
 
     parser = argparse.ArgumentParser(prog="lbt report", description="Report of a study (multirun) folder.")
     parser.error = lambda message: fail(f"lbt report: {message}")  # one line, not usage + error
@@ -355,11 +390,21 @@ def report_command(args: list[str]) -> None:
     parser.add_argument("--target", type=accuracy_target, default=None,
                         help="accuracy for steps-to-target, as 0.95 or 95%% (default: the base batch's final "
                              "accuracy minus 1 point)")
+    parser.add_argument("--tolerance", type=points, default=DEFAULT_TOLERANCE,
+                        help="how many GPUs: the largest batch within this many accuracy points of the smallest "
+                             f"batch (default {DEFAULT_TOLERANCE:g})")
+    return parser
+
+
+def report_command(args: list[str]) -> None:
+    from lbt.report import write_report
+
+    parser = report_parser()
     options = parser.parse_args(args)
     if not os.path.isdir(options.study_dir):
         fail(f"no such study folder: {options.study_dir}")
     try:
-        summary = write_report(options.study_dir, options.target)
+        summary = write_report(options.study_dir, options.target, options.tolerance)
     except ConfigError as error:
         fail(str(error))
     print(open(os.path.join(options.study_dir, "report.md")).read())

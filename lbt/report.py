@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import statistics
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -27,6 +28,8 @@ from lbt.critical import bootstrap_fit, crossing_step, gns_summary
 SUMMARY_DIR = "tb_summary"
 # The default target: the base batch's final accuracy (on the selection split) minus this margin.
 TARGET_MARGIN = 0.01
+# How many GPUs: the largest batch whose accuracy stays within this many points of the smallest batch's.
+DEFAULT_TOLERANCE = 1.0
 GNS_WINDOW = 0.2  # B_simple is summarised over this last fraction of training
 
 
@@ -160,6 +163,67 @@ def _reference(rows: list[Row]) -> float | None:
     return (baseline or at_smallest)[0].test_acc
 
 
+def gpu_answer(rows: list[Row], tolerance: float) -> dict:
+    """How many GPUs: per recipe, the largest global batch whose mean final accuracy (on the selection
+    split) stays within `tolerance` points of the smallest batch's baseline, and the world size there.
+
+    Judged on the split the runs select on (val when there is one), never on test; test is shown beside.
+    """
+    split = "val" if any(r.split == "val" for r in rows) else "test"
+    scored = [r for r in rows if r.split == split and math.isfinite(r.final_acc)]
+    if not scored:
+        return {"tolerance": tolerance, "split": split, "reference": None, "recipes": [], "best": None}
+    smallest = min(r.global_batch for r in scored)
+    at_smallest = [r for r in scored if r.global_batch == smallest]
+    ref = ([r for r in at_smallest if _is_baseline(r.recipe)] or at_smallest)[0]
+    floor = ref.final_acc - tolerance / 100
+    recipes = []
+    for recipe in sorted({r.recipe for r in scored}):
+        mine = sorted((r for r in scored if r.recipe == recipe), key=lambda r: r.global_batch)
+        within = [r for r in mine if r.final_acc >= floor and not r.diverged]
+        top = within[-1] if within else None
+        beyond = next((r for r in mine if top and r.global_batch > top.global_batch), None)
+        recipes.append({
+            "recipe": recipe, "global_batch": top and top.global_batch, "world_size": top and top.world_size,
+            "acc": top and top.final_acc, "acc_std": top and top.final_acc_std, "seeds": top and top.seeds,
+            "test_acc": top and top.test_acc, "largest_batch_run": mine[-1].global_batch,
+            "next_batch": beyond and beyond.global_batch, "next_acc": beyond and beyond.final_acc,
+        })
+    ranked = [r for r in recipes if r["global_batch"]]
+    best = max(ranked, key=lambda r: (r["global_batch"], r["acc"])) if ranked else None
+    return {"tolerance": tolerance, "split": split, "floor": floor, "best": best, "recipes": recipes,
+            "reference": {"recipe": ref.recipe, "global_batch": smallest, "acc": ref.final_acc}}
+
+
+def answer_lines(answer: dict) -> list[str]:
+    """The report's last section: the answer to "how many GPUs can I use, with which recipe?"."""
+    ref, split, tol = answer["reference"], answer["split"], answer["tolerance"]
+    lines = ["", "## How many GPUs?", ""]
+    if ref is None:
+        return lines + ["No run finished: no answer."]
+    lines += [f"Within **{tol:g} point{'s' if tol != 1 else ''}** of {ref['recipe']} at the smallest global batch "
+              f"({ref['global_batch']:,}: final {split} acc {100 * ref['acc']:.2f}%), judged on {split} "
+              f"(`lbt report DIR --tolerance POINTS` to change it):", "",
+              f"| recipe | largest global batch within | GPUs (world size) | final {split} acc (mean ± std, seeds) | "
+              "test acc | next batch tried: acc |", "|---|---:|---:|---:|---:|---|"]
+    for r in answer["recipes"]:
+        if r["global_batch"] is None:
+            lines.append(f"| {r['recipe']} | none | - | - | - | every batch tried is more than {tol:g} points below |")
+            continue
+        spread = f" ± {100 * r['acc_std']:.2f}" if r["seeds"] and r["seeds"] > 1 else ""
+        nxt = (f"{r['next_batch']:,}: {100 * r['next_acc']:.2f}%" if r["next_batch"] and r["next_acc"] is not None
+               else "none larger tried" if r["global_batch"] == r["largest_batch_run"] else "diverged")
+        lines.append(f"| {r['recipe']} | {r['global_batch']:,} | {r['world_size']} | {100 * r['acc']:.2f}{spread} "
+                     f"({r['seeds']}) | {_fmt(r['test_acc'] and 100 * r['test_acc'], '.2f')} | {nxt} |")
+    best = answer["best"]
+    if best:
+        lines += ["", f"**Answer: up to {best['world_size']} GPUs (global batch {best['global_batch']:,}) with "
+                      f"{best['recipe']}**, within {tol:g} point{'s' if tol != 1 else ''} of the smallest batch on "
+                      f"{split}; past that, accuracy (or the run) is lost. Whether those GPUs also pay in time is "
+                      "`lbt plan`'s question (time per epoch vs GPU count)."]
+    return lines
+
+
 def _is_baseline(recipe: str) -> bool:
     return recipe.split(" (")[0] == "baseline"
 
@@ -215,7 +279,7 @@ def _fmt(value, spec: str = ".4f", std=None) -> str:
     return text + (f" ± {format(std, spec)}" if std else "")
 
 
-def markdown(rows: list[Row], target: float | None, crit: dict, jobs: list[dict]) -> str:
+def markdown(rows: list[Row], target: float | None, crit: dict, jobs: list[dict], answer: dict | None = None) -> str:
     split = "val" if any(r.split == "val" for r in rows) else "test"
     lines = ["# lbt study report", ""]
     if split == "val":
@@ -265,6 +329,8 @@ def markdown(rows: list[Row], target: float | None, crit: dict, jobs: list[dict]
     if failed:
         lines += ["", "## Failed jobs", ""]
         lines += [f"- `{j['job_dir']}` ({j['series']}): {j['error']}" for j in failed]
+    if answer is not None:
+        lines += answer_lines(answer)
     return "\n".join(lines) + "\n"
 
 
@@ -364,6 +430,7 @@ def write_tensorboard(rows: list[Row], jobs: list[dict], path: Path) -> None:
     """Scalars with the global batch as step (`study/<recipe>/val_acc`, `.../test_acc`) and an HParams row per job."""
     from torch.utils.tensorboard import SummaryWriter
 
+    shutil.rmtree(path, ignore_errors=True)  # a second report replaces the first, not adds to it
     writer = SummaryWriter(str(path))
     for row in sorted(rows, key=lambda r: r.global_batch):
         if math.isfinite(row.final_acc) and row.split == "val":
@@ -388,7 +455,7 @@ def write_tensorboard(rows: list[Row], jobs: list[dict], path: Path) -> None:
     writer.close()
 
 
-def write_report(study_dir: str | Path, target: float | None = None) -> dict:
+def write_report(study_dir: str | Path, target: float | None = None, tolerance: float = DEFAULT_TOLERANCE) -> dict:
     study_dir = Path(study_dir)
     jobs = load_jobs(study_dir)
     if not jobs:
@@ -398,7 +465,8 @@ def write_report(study_dir: str | Path, target: float | None = None) -> dict:
     target = default_target(jobs) if target is None else target
     rows = aggregate(jobs, target)
     crit = critical_batch(jobs, rows, target)
-    (study_dir / "report.md").write_text(markdown(rows, target, crit, jobs))
+    answer = gpu_answer(rows, tolerance)
+    (study_dir / "report.md").write_text(markdown(rows, target, crit, jobs, answer))
     plot_accuracy(rows, crit, study_dir / "accuracy_vs_batch.png")
     plot_steps(rows, jobs, target, crit, study_dir / "steps_to_target.png")
     plot_gns(jobs, crit, study_dir / "gns_over_training.png")
@@ -408,6 +476,7 @@ def write_report(study_dir: str | Path, target: float | None = None) -> dict:
              "samples_per_sec", "diverged", "error")
     summary = {
         "target_acc": target,
+        "gpu_answer": answer,
         "critical_batch": crit,
         "rows": [asdict(r) for r in rows],
         "jobs": [{k: j[k] for k in named if k in j} for j in jobs],

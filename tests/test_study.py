@@ -183,6 +183,11 @@ def test_report_averages_seeds_with_their_spread(tmp_path):
     events = EventAccumulator(str(tmp_path / "tb_summary"))
     events.Reload()
     assert [(e.step, round(e.value, 4)) for e in events.Scalars("study/baseline/val_acc")] == [(32, 0.92), (256, 0.72)]
+    # The report ends with the answer; reporting again replaces tb_summary/ rather than adding to it.
+    assert report.rstrip().splitlines()[-1].startswith("**Answer: up to")
+    files = sorted(p.name for p in (tmp_path / "tb_summary").rglob("*") if p.is_file())
+    write_report(tmp_path, target=0.85)
+    assert len(sorted(p.name for p in (tmp_path / "tb_summary").rglob("*") if p.is_file())) == len(files)
 
 
 def test_a_study_without_a_validation_split_names_test(tmp_path):
