@@ -240,6 +240,36 @@ def config_node(group: str, name: str) -> dict:
     return OmegaConf.to_container(OmegaConf.load(conf_dir() / group / f"{name}.yaml"), resolve=True)
 
 
+def model_node(name: str) -> dict:
+    """--model: a config of conf/model/ (cnn1d, resnet20, ...) or your own class as a dotted path
+    (`mypackage.MyNet`, built as `lbt train model._target_=mypackage.MyNet` builds it)."""
+    if name == "custom":
+        raise ValueError("--model custom: give your class itself, --model package.module.Class")
+    if name in config_names("model"):
+        return config_node("model", name)
+    if "." in name:
+        try:
+            _locate(name)
+        except (ImportError, AttributeError) as error:
+            raise ValueError(f"--model {name}: cannot import it ({error}); is its package on PYTHONPATH?") from None
+        return {"_target_": name}
+    raise ValueError(f"no model {name!r}: choose one of {', '.join(config_names('model'))} (conf/model/) "
+                     "or give a class as package.module.Class")
+
+
+def compute_from_step_ms(step_ms: float, model: dict, shape: DataShape, per_worker_batch: int, name: str) -> Compute:
+    """A step time measured elsewhere (a GPU run): the model is only built to count its parameters.
+    The step splits as forward 1/3, backward 2/3 (backward costs about twice the forward), which only
+    --overlap reads."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        num_params = sum(p.numel() for p in build_model(model, shape).parameters())
+    step = step_ms / 1e3
+    return Compute(step / 3, 2 * step / 3, 0.0, per_worker_batch, num_params,
+                   f"given: --step-ms {step_ms:g} at batch {per_worker_batch} ({name}, {num_params:,} parameters)")
+
+
 def _locate(target: str):
     module, _, name = target.rpartition(".")
     return getattr(importlib.import_module(module), name)
@@ -461,8 +491,12 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", choices=config_names("model"),
-                        help="profile this model (conf/model/) on random data of --data's shape (default cnn1d)")
+    parser.add_argument("--model", metavar="NAME_OR_CLASS",
+                        help=f"the model: {', '.join(config_names('model'))} (conf/model/) or your own class as "
+                             "package.module.Class; profiled on random data of --data's shape (default cnn1d)")
+    source.add_argument("--step-ms", type=float, metavar="MS",
+                        help="a worker's step time measured elsewhere (e.g. on a GPU), in ms, instead of "
+                             "profiling this machine; the model only gives the gradient size")
     source.add_argument("--from-result", metavar="RESULT_JSON", help="take the compute time from a run's result.json")
     parser.add_argument("--data", choices=config_names("data"),
                         help="the data the model trains on (conf/data/): its input shape, classes and N "
@@ -485,7 +519,8 @@ def _parser() -> argparse.ArgumentParser:
     critical = parser.add_mutually_exclusive_group()
     critical.add_argument("--critical-batch", type=float, metavar="B_CRIT", help="mark W with b x W > B_CRIT")
     critical.add_argument("--from-study", metavar="DIR", help="B_crit from a study's summary.json (lbt report)")
-    parser.add_argument("--out", default="plan.png", help="PNG plot of epoch time and efficiency (default plan.png)")
+    parser.add_argument("--out", help="PNG plot of epoch time and efficiency (default: plan.png beside the "
+                                      "--from-result or --from-study input, else runs/plan/plan.png)")
     return parser
 
 
@@ -513,6 +548,20 @@ def hydra_style(argv: list[str]) -> list[str]:
     return args
 
 
+def plot_path(options: argparse.Namespace) -> Path:
+    """Where the plot goes: where the user says, else beside the input it was made from, else runs/plan/."""
+    if options.out:
+        path = Path(options.out)
+    elif options.from_result:
+        path = Path(options.from_result).parent / "plan.png"
+    elif options.from_study:
+        path = Path(options.from_study) / "plan.png"
+    else:
+        path = Path("runs/plan/plan.png")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def plan_main(argv: list[str]) -> int:
     """`lbt plan ARGS`: print the table over W, write the PNG; 0 on success, 2 on a usage error."""
     parser = _parser()
@@ -532,6 +581,10 @@ def plan_main(argv: list[str]) -> int:
         if options.from_study:
             critical_batch = critical_batch_from_study(options.from_study)
         train_samples = options.train_samples
+        if options.from_result and options.model:
+            raise ValueError("--from-result takes the model of its run: give --model or --from-result, not both")
+        if options.step_ms is not None and not options.step_ms > 0:
+            raise ValueError(f"--step-ms must be a positive time in ms, got {options.step_ms}")
         if options.from_result:
             compute, result_samples = compute_from_result(options.from_result)
             if options.per_worker_batch and options.per_worker_batch != compute.per_worker_batch:
@@ -543,8 +596,12 @@ def plan_main(argv: list[str]) -> int:
             shape = shape._replace(input_shape=tuple(options.input_shape or shape.input_shape),
                                    num_classes=options.num_classes or shape.num_classes)
             name = options.model or "cnn1d"
-            compute = profile_compute(config_node("model", name), shape, options.per_worker_batch or 64,
-                                      options.threads, options.repeats, name=name)
+            if options.step_ms is not None:
+                compute = compute_from_step_ms(options.step_ms, model_node(name), shape,
+                                               options.per_worker_batch or 64, name)
+            else:
+                compute = profile_compute(model_node(name), shape, options.per_worker_batch or 64,
+                                          options.threads, options.repeats, name=name)
             train_samples = train_samples or shape.num_train
         train_samples = train_samples or 60000
         rows = plan_rows(compute, network, worker_counts(options.max_workers), train_samples,
@@ -572,7 +629,7 @@ def plan_main(argv: list[str]) -> int:
              f"({network.bandwidth_gbps:g} Gb/s, {network.latency_us:g} us), N={train_samples:,}"
              + (f", {options.compression}" if options.compression != "none" else "")
              + (f", overlap {options.overlap:g}" if options.overlap else ""))
-    path = plot(rows, options.out, title, critical_batch)
+    path = plot(rows, plot_path(options), title, critical_batch)
     print(f"plot: {path.resolve()}")
     return 0
 

@@ -2,6 +2,7 @@
 
 from lbt.data.base import DataShape, DataSplits, InMemoryDataset, split_validation
 from lbt.data.cifar import build_cifar10
+from lbt.data.custom import build_custom
 from lbt.data.imagefolder import build_imagefolder
 from lbt.data.mnist1d import build_mnist1d
 from lbt.data.synthetic import build_synthetic
@@ -12,6 +13,7 @@ __all__ = [
     "InMemoryDataset",
     "split_validation",
     "build_cifar10",
+    "build_custom",
     "build_imagefolder",
     "build_mnist1d",
     "build_synthetic",
