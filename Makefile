@@ -1,14 +1,15 @@
 # Two commands on a fresh machine: `make run` (the main job) and `make test`.
-# The venv lives outside the clone and is rebuilt when pyproject.toml changes.
+# Each checkout has its own venv (.venv/, git-ignored), its dependencies reinstalled when
+# pyproject.toml changes: a venv shared between clones ran whichever clone last set it up.
 PYTHON ?= python3
-VENV ?= $(HOME)/.cache/lbt/venv-$(shell sha256sum pyproject.toml | cut -c1-12)
+VENV ?= $(CURDIR)/.venv
 BIN := $(VENV)/bin
 ARGS ?=
 
 .PHONY: setup run train test clean-venv
 
 setup: $(VENV)/.deps-installed
-	@# Point the (shared) venv's lbt at this checkout; cheap, so done every time.
+	@# The checkout's lbt, editable (a moved checkout re-points it); cheap, so done every time.
 	@$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 
 $(VENV)/.deps-installed: pyproject.toml

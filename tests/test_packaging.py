@@ -34,3 +34,16 @@ def test_installed_wheel_finds_its_configs(tmp_path):
         cwd=elsewhere, env=env, capture_output=True, text=True,
     ).stdout
     assert (elsewhere / "run" / "result.json").is_file()
+
+
+def test_each_checkout_has_its_own_venv():
+    """A venv shared between clones (keyed by pyproject.toml) ran whichever clone last set it up."""
+    import shutil
+
+    if shutil.which("make") is None:
+        raise AssertionError("make is needed: the README's two commands are make targets")
+    repo = Path(__file__).resolve().parents[1]
+    dry = subprocess.run(["make", "-n", "test"], cwd=repo, capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    assert f"{repo}/.venv/bin/python -m pytest" in dry.stdout
+    assert ".venv/" in (repo / ".gitignore").read_text().splitlines()
