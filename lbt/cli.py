@@ -187,7 +187,7 @@ def train_command(args: list[str], report_failures: bool = True) -> None:
     overrides = list(options.overrides)
     left = list(overrides)
     flags = [a for a in args if not (left and a == left[0] and left.pop(0) is not None)]
-    if options.cfg and options.multirun:
+    if options.cfg and (options.multirun or first_job(overrides) != overrides):
         # Hydra prints one config, not a sweep's: show the first job's, and say so.
         flags = [a for a in flags if a not in ("-m", "--multirun")]
         overrides = first_job(overrides)
@@ -306,6 +306,9 @@ def study_command(args: list[str]) -> None:
     report_options, args = report_flags(args)
     if not any(a.startswith("study=") for a in args):
         args = ["study=default", *args]
+    if any(a in ("--cfg", "-c") or a.startswith("--cfg=") for a in args):
+        train_command(args)  # the composed config of the study's first job (and Hydra's), nothing run
+        return
     sweep_dir = next((a.split("=", 1)[1] for a in args if a.startswith("hydra.sweep.dir=")), None)
     if sweep_dir is None:
         sweep_dir = f"runs/study/{time.strftime('%Y-%m-%d_%H-%M-%S')}"

@@ -1,0 +1,88 @@
+"""Every `lbt` command in the README's command blocks works, in a short form, so the README cannot drift.
+
+train and study commands are composed and checked as they would run (`--cfg job`: the same one-line
+checks of every job, nothing trained); tune commands plan their grid (every cell composed and checked,
+no trial run); plan commands profile briefly; report commands read a small study. Placeholders
+(`runs/train/<time>`, a study folder) become folders made here. The own-model section runs for real
+in tests/test_own_model.py, and lines with `...` are fragments of the command above them.
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import lbt_cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def readme_commands() -> list[str]:
+    """`lbt ...` lines of the README's ```bash blocks, continuations joined and comments cut."""
+    text = (REPO / "README.md").read_text()
+    own = text.split("\n## Your own model and data\n", 1)[1].split("\n## ", 1)[0]
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        if block in own:
+            continue
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.sub(r"\s+#.*$", "", line).strip()
+            if line.startswith("lbt ") and "..." not in line:
+                commands.append(" ".join(line.split()))
+    return commands
+
+
+COMMANDS = readme_commands()
+
+
+def test_the_readme_has_commands_of_every_kind():
+    assert {c.split()[1] for c in COMMANDS} >= {"train", "study", "tune", "report", "plan"}
+
+
+@pytest.fixture(scope="module")
+def placeholders(tmp_path_factory):
+    """A study folder (result.json files, its report) and a run's result.json, for the commands that read them."""
+    from test_study import _job
+
+    from lbt.report import write_report
+
+    root = tmp_path_factory.mktemp("readme")
+    study = root / "study"
+    for n, (world_size, accs) in enumerate([(1, [0.8, 0.95]), (4, [0.7, 0.93]), (16, [0.5, 0.9])]):
+        _job(study / str(n), "baseline", world_size, 0, accs, b_simple=200.0, test=accs[-1])
+    write_report(study)
+    run = root / "run"
+    result = lbt_cli(["train", "data=synthetic", "trainer.progress=false", "trainer.max_steps=3",
+                      f"hydra.run.dir={run}"], root, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return {"study": study, "result": run / "result.json", "root": root}
+
+
+def short_form(command: str, places: dict, tmp_path: Path) -> list[str]:
+    args = command.split()[1:]
+    args = [re.sub(r"runs/train/<time>/result\.json", str(places["result"]), a) for a in args]
+    args = [re.sub(r"runs/(study|multirun)/[^ ]+", str(places["study"]), a) for a in args]
+    kind = args[0]
+    if kind in ("train", "study") and not any(a.startswith("--cfg") for a in args):
+        return args + ["--cfg", "job"]
+    if kind == "plan":
+        return args + ["--repeats", "2", "--max-workers", "8", "--out", str(tmp_path / "plan.png")]
+    return args
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_readme_command(command, placeholders, tmp_path):
+    args = short_form(command, placeholders, tmp_path)
+    if args[0] == "tune":
+        from lbt.tune import plan_tune
+
+        plan = plan_tune(args[1:])
+        assert plan.cells and plan.settings.trials >= 1
+        return
+    result = lbt_cli(args, tmp_path, timeout=180)
+    assert result.returncode == 0, f"{' '.join(args)}\n{result.stderr[-2000:]}"
+    assert "Traceback" not in result.stderr
+    if args[0] in ("train", "study"):
+        assert "dist:" in result.stdout or "hydra:" in result.stdout  # a composed config was printed
+    if args[0] == "report":
+        assert "## How many GPUs?" in result.stdout
