@@ -326,11 +326,12 @@ def study_command(args: list[str]) -> None:
 
 
 def report_flags(args: list[str]) -> tuple[list[str], list[str]]:
-    """`lbt study`'s report options (--target, --tolerance, as `lbt report` takes them) apart from its overrides."""
+    """`lbt study`'s report options (--target, --tolerance, --network, --step-ms, as `lbt report` takes them)
+    apart from its overrides."""
     flags, rest, i = [], [], 0
     while i < len(args):
         name = args[i].split("=", 1)[0]
-        if name in ("--target", "--tolerance"):
+        if name in ("--target", "--tolerance", "--network", "--step-ms"):
             if "=" in args[i]:
                 flags.append(args[i])
             elif i + 1 < len(args):
@@ -396,6 +397,10 @@ def report_parser():
     parser.add_argument("--tolerance", type=points, default=DEFAULT_TOLERANCE,
                         help="how many GPUs: the largest batch within this many accuracy points of the smallest "
                              f"batch (default {DEFAULT_TOLERANCE:g})")
+    parser.add_argument("--network", help="also answer which GPU count reaches the target soonest on this network "
+                                          "(lbt plan's presets, e.g. 10gbe, ib-fdr)")
+    parser.add_argument("--step-ms", type=float, help="with --network: a worker's step time measured elsewhere "
+                                                      "(default: from the study's smallest-batch run)")
     return parser
 
 
@@ -407,7 +412,10 @@ def report_command(args: list[str]) -> None:
     if not os.path.isdir(options.study_dir):
         fail(f"no such study folder: {options.study_dir}")
     try:
-        summary = write_report(options.study_dir, options.target, options.tolerance)
+        if options.step_ms is not None and (options.network is None or not options.step_ms > 0):
+            raise ConfigError("--step-ms takes a positive time in ms and goes with --network")
+        summary = write_report(options.study_dir, options.target, options.tolerance, options.network,
+                               options.step_ms)
     except ConfigError as error:
         fail(str(error))
     print(open(os.path.join(options.study_dir, "report.md")).read())

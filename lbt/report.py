@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from lbt.critical import bootstrap_fit, crossing_step, gns_summary
+from lbt.errors import ConfigError
 
 SUMMARY_DIR = "tb_summary"
 # The default target: the base batch's final accuracy (on the selection split) minus this margin.
@@ -195,6 +196,45 @@ def gpu_answer(rows: list[Row], tolerance: float) -> dict:
             "reference": {"recipe": ref.recipe, "global_batch": smallest, "acc": ref.final_acc}}
 
 
+def time_to_accuracy(rows: list[Row], answer: dict, jobs: list[dict], study_dir: Path, network: str,
+                     step_ms: float | None = None) -> dict:
+    """With a network (and lbt plan's model of a step), the GPU count that reaches the target soonest
+    within the tolerance: steps to target (measured) x the step time plan predicts at that world size.
+
+    A worker's compute comes from `step_ms` (measured elsewhere, e.g. on a GPU) or from the study's
+    smallest-batch run (its samples/s on this machine).
+    """
+    from lbt import plan as lbt_plan
+
+    if network not in lbt_plan.NETWORKS:
+        raise ConfigError(f"--network {network}: choose one of {', '.join(sorted(lbt_plan.NETWORKS))}")
+    done = sorted((j for j in jobs if "error" not in j and j.get("samples_per_sec") and j.get("config")),
+                  key=lambda j: (j["world_size"], not _is_baseline(j.get("series", ""))))
+    if not done:
+        raise ConfigError("no finished run with timings to model a step from")
+    source = done[0]
+    if step_ms is not None:
+        config = source["config"]
+        shape = lbt_plan.data_shape(config["data"])
+        compute = lbt_plan.compute_from_step_ms(step_ms, config["model"], shape, int(source["per_worker_batch"]),
+                                                config["model"].get("_target_", "model"))
+    else:
+        compute, _ = lbt_plan.compute_from_result(study_dir / source["job_dir"] / "result.json")
+    net = lbt_plan.NETWORKS[network]
+    floor = answer.get("floor")
+    options = []
+    for r in rows:
+        if r.split != answer["split"] or r.steps_to_target is None or r.diverged or floor is None \
+                or r.final_acc < floor:
+            continue
+        step_s = lbt_plan.plan_rows(compute, net, [r.world_size], 1)[0].step_s
+        options.append({"recipe": r.recipe, "world_size": r.world_size, "global_batch": r.global_batch,
+                        "steps_to_target": r.steps_to_target, "step_s": step_s,
+                        "seconds": r.steps_to_target * step_s})
+    best = min(options, key=lambda o: o["seconds"]) if options else None
+    return {"network": network, "compute": compute.source, "options": options, "best": best}
+
+
 def answer_lines(answer: dict) -> list[str]:
     """The report's last section: the answer to "how many GPUs can I use, with which recipe?"."""
     ref, split, tol = answer["reference"], answer["split"], answer["tolerance"]
@@ -221,6 +261,19 @@ def answer_lines(answer: dict) -> list[str]:
                       f"{best['recipe']}**, within {tol:g} point{'s' if tol != 1 else ''} of the smallest batch on "
                       f"{split}; past that, accuracy (or the run) is lost. Whether those GPUs also pay in time is "
                       "`lbt plan`'s question (time per epoch vs GPU count)."]
+    tta = answer.get("time_to_accuracy")
+    if tta:
+        lines += ["", f"Time to accuracy on {tta['network']} (steps to the target, measured, x lbt plan's step time "
+                      f"at that world size; compute {tta['compute']}):", "",
+                  "| recipe | GPUs | global batch | steps to target | step (ms) | time to target (s) |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {o['recipe']} | {o['world_size']} | {o['global_batch']:,} | {o['steps_to_target']:,.0f} | "
+                  f"{1e3 * o['step_s']:.2f} | {o['seconds']:,.2f} |"
+                  for o in sorted(tta["options"], key=lambda o: o["seconds"])]
+        b = tta["best"]
+        lines += ["", f"**Fastest within the tolerance: {b['world_size']} GPUs with {b['recipe']}** "
+                      f"({b['seconds']:,.2f} s to the target)." if b else
+                  "No run within the tolerance reached the target: no time to compare."]
     return lines
 
 
@@ -455,17 +508,18 @@ def write_tensorboard(rows: list[Row], jobs: list[dict], path: Path) -> None:
     writer.close()
 
 
-def write_report(study_dir: str | Path, target: float | None = None, tolerance: float = DEFAULT_TOLERANCE) -> dict:
+def write_report(study_dir: str | Path, target: float | None = None, tolerance: float = DEFAULT_TOLERANCE,
+                 network: str | None = None, step_ms: float | None = None) -> dict:
     study_dir = Path(study_dir)
     jobs = load_jobs(study_dir)
     if not jobs:
-        from lbt.errors import ConfigError
-
         raise ConfigError(f"no result.json found under {study_dir}: is it a study (multirun) folder?")
     target = default_target(jobs) if target is None else target
     rows = aggregate(jobs, target)
     crit = critical_batch(jobs, rows, target)
     answer = gpu_answer(rows, tolerance)
+    if network is not None:
+        answer["time_to_accuracy"] = time_to_accuracy(rows, answer, jobs, study_dir, network, step_ms)
     (study_dir / "report.md").write_text(markdown(rows, target, crit, jobs, answer))
     plot_accuracy(rows, crit, study_dir / "accuracy_vs_batch.png")
     plot_steps(rows, jobs, target, crit, study_dir / "steps_to_target.png")

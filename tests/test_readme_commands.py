@@ -42,14 +42,21 @@ def test_the_readme_has_commands_of_every_kind():
 @pytest.fixture(scope="module")
 def placeholders(tmp_path_factory):
     """A study folder (result.json files, its report) and a run's result.json, for the commands that read them."""
+    import json
+
+    from omegaconf import OmegaConf
     from test_study import _job
 
+    from conftest import compose_config
     from lbt.report import write_report
 
     root = tmp_path_factory.mktemp("readme")
     study = root / "study"
+    config = OmegaConf.to_container(compose_config(["data=synthetic", "model=mlp"])[0], resolve=True)
     for n, (world_size, accs) in enumerate([(1, [0.8, 0.95]), (4, [0.7, 0.93]), (16, [0.5, 0.9])]):
         _job(study / str(n), "baseline", world_size, 0, accs, b_simple=200.0, test=accs[-1])
+        result = study / str(n) / "result.json"
+        result.write_text(json.dumps({**json.loads(result.read_text()), "config": config}))
     write_report(study)
     run = root / "run"
     result = lbt_cli(["train", "data=synthetic", "trainer.progress=false", "trainer.max_steps=3",

@@ -58,3 +58,30 @@ def test_tolerance_points(value, ok):
     else:
         with pytest.raises(argparse.ArgumentTypeError):
             points(value)
+
+
+@pytest.mark.parametrize("step_ms", [None, 2.0])
+def test_time_to_accuracy_on_a_network(tmp_path, step_ms):
+    """With --network: steps to target (measured) x the step time lbt plan predicts at each world size."""
+    import json
+
+    from omegaconf import OmegaConf
+    from test_study import _job
+
+    from conftest import FAST, compose_config
+    from lbt.report import write_report
+
+    config = OmegaConf.to_container(compose_config(FAST + ["model=mlp"])[0], resolve=True)
+    for n, (world_size, accs) in enumerate([(1, [0.8, 0.95]), (4, [0.7, 0.94]), (16, [0.5, 0.9])]):
+        _job(tmp_path / str(n), "baseline", world_size, 0, accs, b_simple=200.0, test=accs[-1])
+        result = json.loads((tmp_path / str(n) / "result.json").read_text())
+        (tmp_path / str(n) / "result.json").write_text(json.dumps({**result, "config": config}))
+    summary = write_report(tmp_path, target=0.85, tolerance=2.0, network="10gbe", step_ms=step_ms)
+    tta = summary["gpu_answer"]["time_to_accuracy"]
+    assert {o["world_size"] for o in tta["options"]} == {1, 4}  # 16 lost more than 2 points
+    for option in tta["options"]:
+        assert option["seconds"] == pytest.approx(option["steps_to_target"] * option["step_s"])
+    assert tta["best"] == min(tta["options"], key=lambda o: o["seconds"])
+    if step_ms is not None:
+        assert tta["options"][0]["world_size"] == 1 and tta["options"][0]["step_s"] == pytest.approx(2e-3)
+    assert "**Fastest within the tolerance:" in (tmp_path / "report.md").read_text()
