@@ -145,6 +145,8 @@ def warmup_outlasts_run(s: Schedule, budget: Budget) -> str | None:
         return None
     nominal = s.base_lr * scaling_factor(s.global_batch, s.base_batch, s.scaling)
     top, _ = peak(s, budget)
+    if top >= nominal * (1 - 1e-6):  # a flat warmup (from the peak itself) loses nothing
+        return None
     return (f"the warmup ({s.warmup_samples:,} samples) outlasts the run (its last step starts at sample "
             f"{budget.last_step_samples:,}): "
             f"the LR stops at {top:g}, never reaching its scaled peak {nominal:g}; shorten schedule.warmup_epochs "
