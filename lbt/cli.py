@@ -76,7 +76,7 @@ def precheck(overrides: list[str], config_dir: str | None = None, config_name: s
 
     Hydra prints composition errors over several lines with a hint about
     HYDRA_FULL_ERROR; composing here first turns them into one line. In a sweep
-    every job is checked, so `recipe=goyal,baseline` fails before any job runs.
+    every job is composed, so `recipe=goyal,baseline` fails before any job runs.
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -91,10 +91,11 @@ def precheck(overrides: list[str], config_dir: str | None = None, config_name: s
     # Hydra's own settings (launcher, sweeper, run folder) are Hydra's to check.
     ours = [o for o in parsed if not o.key_or_group.startswith("hydra")]
     jobs = sweep_jobs(ours)
-    for job in jobs:
-        label = " ".join(o for o, swept in job if swept)
+    for index, job in enumerate(jobs):
+        # A mistake of every job is reported plainly; one of a later job names that job.
+        label = " ".join(o for o, swept in job if swept) if index else ""
         try:
-            config = check_job([o for o, _ in job] + searchpath, config_name, search)
+            config = check_job([o for o, _ in job] + searchpath, config_name, search, whole=len(jobs) == 1)
         except ConfigError as error:
             fail(f"job {label}: {error}" if label and not str(error).startswith(label.split()[0]) else str(error))
     folders = {o.key_or_group: o.value() for o in parsed if o.key_or_group in ("hydra.run.dir", "hydra.sweep.dir")}
@@ -120,11 +121,16 @@ def sweep_jobs(parsed: list) -> list[list[tuple[str, bool]]]:
     if math.prod(sizes) <= MAX_CHECKED_JOBS:
         return [list(job) for job in itertools.product(*axes)]
     first = [axis[0] for axis in axes]
-    return [first[:i] + [value] + first[i + 1:] for i, axis in enumerate(axes) for value in axis[1:]] + [first]
+    return [first] + [first[:i] + [value] + first[i + 1:] for i, axis in enumerate(axes) for value in axis[1:]]
 
 
-def check_job(overrides: list[str], config_name: str, search: list[Path]) -> dict:
-    """One job's config: composed, every mandatory value given, the layout checked; else a ConfigError."""
+def check_job(overrides: list[str], config_name: str, search: list[Path], whole: bool = True) -> dict:
+    """One job's config: composed, every mandatory value given, the layout checked; else a ConfigError.
+
+    Of a sweep's jobs (`whole=False`) only the composition is checked, which Hydra needs to launch
+    any job: a job whose values are wrong (a batch that does not divide) is recorded in its
+    result.json and the sweep goes on, as a diverged job is.
+    """
     from hydra import compose, initialize_config_dir
     from omegaconf.errors import MissingMandatoryValue
 
@@ -133,6 +139,8 @@ def check_job(overrides: list[str], config_name: str, search: list[Path]) -> dic
             cfg = compose(config_name, overrides=overrides)
         except Exception as error:  # Hydra / OmegaConf composition errors, with the closest name if mistyped
             raise ConfigError(explain(error, composed_without(overrides, config_name, error), search)) from None
+    if not whole:
+        return {}
     try:
         config = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except MissingMandatoryValue as error:
