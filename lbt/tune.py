@@ -627,7 +627,8 @@ def summarize(plan: Plan, cells: list[dict]) -> dict:
     fits = []
     for series in dict.fromkeys(c["series"] for c in cells):
         members = [c for c in cells if c["series"] == series]
-        usable = [c for c in members if c["best"] and not c["best"]["diverged"] and (c["best"]["peak_lr"] or 0) > 0]
+        usable = sorted((c for c in members if c["best"] and not c["best"]["diverged"] and (c["best"]["peak_lr"] or 0) > 0),
+                        key=lambda c: c["global_batch"])
         fit = {"series": series, "scalings": sorted({c["scaling"] for c in members}),
                "claimed": sorted({claimed_exponent(c["scaling"]) for c in members}),
                "batches": [c["global_batch"] for c in usable], "peak_lrs": [c["best"]["peak_lr"] for c in usable],

@@ -56,7 +56,8 @@ def test_tune_a_tiny_grid_then_the_same_command_runs_nothing_new(tmp_path):
         assert tuned["config"]["optim"]["lr"] == pytest.approx(cell["best"]["params"]["optim.lr"])
         assert tuned["eval_split"] == "val" and tuned["test_acc"] is not None and tuned["seed"] == 1
         default = json.loads((Path(cell["default"]["folders"][1]) / "result.json").read_text())
-        assert default["config"]["optim"]["lr"] == pytest.approx(0.1) and default["seed"] == 2
+        recipe_lr = compose_config([f"recipe={cell['recipe']}"])[0].optim.lr  # the recipe's own default
+        assert default["config"]["optim"]["lr"] == pytest.approx(recipe_lr) and default["seed"] == 2
     fits = {fit["series"]: fit for fit in summary["lr_fits"]}
     assert fits["baseline"]["claimed"] == [0.0] and fits["goyal2017"]["claimed"] == [1.0]
     assert all(fit["exponent"] is not None for fit in fits.values())
