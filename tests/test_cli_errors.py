@@ -27,15 +27,39 @@ CASES = {
 }
 
 
+def run_main(args: list[str], capfd) -> tuple[int, str]:
+    """`lbt ARGS` in this process (lbt.cli.main, as the command runs it): exit code and stderr."""
+    from lbt.cli import main
+
+    capfd.readouterr()
+    code = 0
+    try:
+        main(args)
+    except SystemExit as done:
+        code = done.code or 0
+    return code, capfd.readouterr().err
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_bad_input_gives_one_line(name, tmp_path):
+def test_bad_input_gives_one_line(name, tmp_path, capfd, monkeypatch):
+    """In this process, for speed; test_a_mistake_on_the_real_command_line runs the command itself."""
     overrides, expected = CASES[name]
-    result = lbt_cli(["train", *FAST, *overrides, f"hydra.run.dir={tmp_path}"], tmp_path, timeout=60)
+    monkeypatch.chdir(tmp_path)
+    code, err = run_main(["train", *FAST, *overrides, f"hydra.run.dir={tmp_path}"], capfd)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, err
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    assert lines[0].startswith("lbt: error:") and expected in lines[0]
+
+
+def test_a_mistake_on_the_real_command_line(tmp_path):
+    result = lbt_cli(["train", *FAST, "dist.wrold_size=4", f"hydra.run.dir={tmp_path}"], tmp_path, timeout=60)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2, result.stderr
     assert len(lines) == 1, result.stderr
     assert "Traceback" not in result.stderr
-    assert lines[0].startswith("lbt: error:") and expected in lines[0]
+    assert lines[0].startswith("lbt: error:") and "did you mean dist.world_size?" in lines[0]
 
 
 def test_missing_cifar_folder_names_the_path(tmp_path):
@@ -118,6 +142,7 @@ def test_report_target_as_fraction_or_percent(text, value):
 
 
 @pytest.mark.parametrize("text, expected", [("95", "write 95%"), ("0", "between 0 and 1"), ("abc", "not a number")])
-def test_report_target_refused_in_one_line(text, expected, tmp_path):
-    result = lbt_cli(["report", str(tmp_path), "--target", text], tmp_path, timeout=60)
-    assert result.returncode == 2 and expected in one_error_line(result)
+def test_report_target_refused_in_one_line(text, expected, tmp_path, capfd):
+    code, err = run_main(["report", str(tmp_path), "--target", text], capfd)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("lbt: error:") and expected in lines[0], err
