@@ -89,24 +89,26 @@ def one_error_line(result) -> str:
 
 
 @pytest.mark.parametrize("flags", [["-m"], ["--multirun"], ["-m", "--config-dir", "CONFIG_DIR"]])
-def test_dash_flags_keep_the_one_line_errors(flags, tmp_path):
+def test_dash_flags_keep_the_one_line_errors(flags, tmp_path, capfd, monkeypatch):
     """Multirun and --config-dir get the same checks: every job of the sweep, before any runs."""
     (tmp_path / "own" / "model").mkdir(parents=True)
     (tmp_path / "own" / "model" / "tiny.yaml").write_text("defaults:\n  - cnn1d\n  - _self_\nchannels: 4\n")
     flags = [str(tmp_path / "own") if f == "CONFIG_DIR" else f for f in flags]
-    result = lbt_cli(["train", *flags, *FAST, "recipe=goyal,baseline", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-                     tmp_path, timeout=60)
-    assert result.returncode == 2
-    assert "did you mean recipe=goyal2017?" in one_error_line(result)
+    monkeypatch.chdir(tmp_path)
+    code, err = run_main(["train", *flags, *FAST, "recipe=goyal,baseline", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                         capfd)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "did you mean recipe=goyal2017?" in lines[0], err
     assert not (tmp_path / "sweep").exists()  # no job started
 
 
-def test_config_dir_models_are_checked_too(tmp_path):
+def test_config_dir_models_are_checked_too(tmp_path, capfd, monkeypatch):
     (tmp_path / "own" / "model").mkdir(parents=True)
     (tmp_path / "own" / "model" / "tiny.yaml").write_text("defaults:\n  - cnn1d\n  - _self_\nchannels: 4\n")
-    result = lbt_cli(["train", "--config-dir", str(tmp_path / "own"), *FAST, "model=tiny", "dist.wrold_size=2",
-                      f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, timeout=60)
-    assert result.returncode == 2 and "did you mean dist.world_size?" in one_error_line(result)
+    monkeypatch.chdir(tmp_path)
+    code, err = run_main(["train", "--config-dir", str(tmp_path / "own"), *FAST, "model=tiny", "dist.wrold_size=2",
+                          f"hydra.run.dir={tmp_path / 'run'}"], capfd)
+    assert code == 2 and "did you mean dist.world_size?" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_cfg_of_a_sweep_shows_its_first_job(tmp_path):
