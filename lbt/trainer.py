@@ -236,7 +236,7 @@ class Trainer:
             if self.on_step is not None:
                 self.on_step(s.step)
             self.window.add(loss)
-            leave = log_now and self.log_window(plan, lr, correct, bar, steps)
+            leave = log_now and self.log_window(plan, lr, correct, labels.numel(), bar, steps)
             if s.step in self.eval_steps and s.step_in_epoch < steps:  # an epoch's end evaluates in end_epoch
                 self.validate(plan)
             if leave:
@@ -248,7 +248,7 @@ class Trainer:
             bar.close()
         return s.epoch_loss_sum / max(s.epoch_loss_count, 1)
 
-    def log_window(self, plan: BatchPlan, lr: float, correct: int, bar, steps: int) -> bool:
+    def log_window(self, plan: BatchPlan, lr: float, correct: int, labels_per_step: int, bar, steps: int) -> bool:
         """Log train/* over the window of steps since the last log; True when the epoch must end now."""
         s = self.state
         # Summed over processes at a cadence every rank agrees on, so all of them
@@ -260,7 +260,7 @@ class Trainer:
         s.epoch_loss_sum += window.loss_sum
         s.epoch_loss_count += window.count
         if bar is not None:
-            local_acc = correct / (plan.per_worker_batch * plan.workers_per_proc)
+            local_acc = correct / labels_per_step
             bar.set_postfix(loss=f"{window.mean_loss:.4f}", acc=f"{local_acc:.3f}",
                             sps=f"{window.samples_per_sec:,.0f}")
         if not math.isfinite(window.mean_loss):
@@ -407,7 +407,7 @@ class Trainer:
             logits = self.model(inputs)
             totals[0] += nn.functional.cross_entropy(logits, labels, reduction="sum").item()
             totals[1] += (logits.argmax(1) == labels).sum().item()
-            totals[2] += len(labels)
+            totals[2] += labels.numel()  # samples, or tokens of a language model ((N, T) labels)
         all_reduce_sum(totals, self.ctx)
         self.model.train()
         return totals[0].item() / totals[2].item(), totals[1].item() / totals[2].item()

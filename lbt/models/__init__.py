@@ -4,5 +4,6 @@ from lbt.models.cnn1d import CNN1d
 from lbt.models.mlp import MLP
 from lbt.models.resnet20 import BasicBlock, ResNet20
 from lbt.models.torchvision_models import torchvision_model
+from lbt.models.transformer1d import Transformer1d
 
-__all__ = ["CNN1d", "MLP", "BasicBlock", "ResNet20", "torchvision_model"]
+__all__ = ["CNN1d", "MLP", "BasicBlock", "ResNet20", "torchvision_model", "Transformer1d"]
