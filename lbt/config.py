@@ -54,6 +54,7 @@ class ScheduleConfig:
     """The `schedule` node: everything the LR depends on (lbt/lr.py reads it)."""
 
     scaling: str = "none"
+    weight_decay_scaling: str = "none"
     base_batch: int = 64
     warmup_epochs: float = 0.0
     warmup_samples: Optional[int] = None
@@ -190,6 +191,11 @@ class Budget:
 
     plans: tuple[BatchPlan, ...]
     steps: tuple[int, ...]
+    max_steps: Optional[int] = None  # trainer.max_steps, kept for `replanned`
+
+    def replanned(self, plans: list[BatchPlan], num_train: int) -> Budget:
+        """The budget of the same run with other batch layouts (an automatic batch ramp decided them)."""
+        return make_budget(plans, num_train, self.max_steps)
 
     @property
     def total_steps(self) -> int:
@@ -234,4 +240,4 @@ def make_budget(plans: list[BatchPlan], num_train: int, max_steps: Optional[int]
         taken = int(min(plan.steps_per_epoch(num_train), left))
         steps.append(taken)
         left -= taken
-    return Budget(tuple(plans), tuple(steps))
+    return Budget(tuple(plans), tuple(steps), max_steps)

@@ -11,14 +11,15 @@ needs no scheduler state.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from lbt.config import Budget
 from lbt.errors import ConfigError
 from lbt.validate import integer, number, one_of
 
-SCALING_RULES = ("none", "linear", "sqrt")
+SCALING_RULES = ("none", "linear", "sqrt", "adam_sqrt")
+WEIGHT_DECAY_SCALINGS = ("none", "timescale")
 WARMUP_MODES = ("linear", "constant")
 DECAYS = ("constant", "cosine", "poly", "step")
 
@@ -30,9 +31,35 @@ def scaling_factor(global_batch: int, base_batch: int, rule: str) -> float:
     - "linear": B / base_batch (Goyal et al. 2017, "Accurate, Large Minibatch SGD", sec. 2.1).
     - "sqrt": sqrt(B / base_batch), which keeps the variance of the update
       constant (Krizhevsky 2014, "One weird trick for parallelizing CNNs").
+    - "adam_sqrt": sqrt(B / base_batch) too, the LR part of Malladi et al.'s square-root rule
+      for Adam, which also moves the betas and eps (`adam_sqrt_moments`).
     """
     ratio = global_batch / base_batch
-    return {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[rule]
+    return {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio), "adam_sqrt": math.sqrt(ratio)}[rule]
+
+
+def adam_sqrt_moments(kappa: float, betas: tuple[float, float], eps: float) -> tuple[tuple[float, float], float]:
+    """Adam's betas and eps at kappa x the base batch under the square-root scaling rule.
+
+    Malladi, Lyu, Panigrahi, Arora 2022, "On the SDEs and Scaling Rules for Adaptive Gradient
+    Algorithms", sec. 4 (the square-root scaling rule, SRSR, derived from the Adam SDE): batch
+    x kappa -> LR x sqrt(kappa), (1 - beta1) x kappa, (1 - beta2) x kappa, eps / sqrt(kappa).
+    The rule holds while kappa (1 - beta) < 1; past that a beta would be 0 or negative, and it is
+    clamped to 0 (no averaging), which the run reports (`adam_sqrt_out_of_range`).
+    """
+    scaled = tuple(max(0.0, 1.0 - kappa * (1.0 - beta)) for beta in betas)
+    return (scaled[0], scaled[1]), eps / math.sqrt(kappa)
+
+
+def timescale_weight_decay(kappa: float, lr_factor: float) -> float:
+    """The weight-decay multiplier that keeps AdamW's timescale in epochs fixed.
+
+    AdamW's decoupled decay shrinks weights by (1 - lr x wd) per step, an EMA over
+    1 / (lr x wd) steps, i.e. tau = B / (lr x wd x N) epochs (Wang & Aitchison 2024;
+    Bergsma et al. 2025, "Power Lines": the optimal tau stays fixed as the batch changes).
+    Batch x kappa with LR x lr_factor keeps tau when wd is multiplied by kappa / lr_factor.
+    """
+    return kappa / lr_factor
 
 
 @dataclass(frozen=True)
@@ -52,17 +79,24 @@ class Schedule:
     power: float = 2.0
     # (samples, multiplier): step-decay milestones, and a capped batch ramp's LR divisions
     drops: tuple[tuple[int, float], ...] = ()
+    # Adam's betas and eps at base_batch (optim.betas, optim.eps): moved with the batch under adam_sqrt.
+    betas: tuple[float, float] | None = None
+    eps: float | None = None
+    weight_decay_scaling: str = "none"  # none | timescale (`timescale_weight_decay`)
 
 
-def lr_at(samples_seen: float, s: Schedule) -> float:
+def lr_at(samples_seen: float, s: Schedule, global_batch: int | None = None) -> float:
     """The LR of the step taken after `samples_seen` samples; the one place lbt computes it.
+
+    `global_batch`: the batch the scaling rule follows, when not the run's configured one
+    (an automatic batch ramp scales the LR with the batch it reached).
 
         peak    = base_lr x scaling(global_batch / base_batch)
         warmup  : from the start LR to the peak over [0, warmup_samples)       (Goyal 2017, sec. 2.2)
         decay   : from the peak at warmup_samples to final_factor x peak at total_samples
         drops   : x multiplier from each (samples, multiplier) reached         (step decay, Smith 2017 ramp)
     """
-    peak = s.base_lr * scaling_factor(s.global_batch, s.base_batch, s.scaling)
+    peak = s.base_lr * scaling_factor(global_batch or s.global_batch, s.base_batch, s.scaling)
     if samples_seen < s.warmup_samples:
         start = min(s.base_lr, peak) if s.warmup_start is None else s.warmup_start * peak
         if s.warmup_mode == "constant":
@@ -85,6 +119,32 @@ def lr_at(samples_seen: float, s: Schedule) -> float:
     return lr
 
 
+def optimizer_settings(samples_seen: float, s: Schedule, global_batch: int | None = None) -> dict[str, object]:
+    """What the trainer writes into every parameter group before a step: `lr`; under adam_sqrt Adam's
+    `betas` and `eps`; under timescale weight decay the `weight_decay_factor` (x each group's own)."""
+    batch = global_batch or s.global_batch
+    settings: dict[str, object] = {"lr": lr_at(samples_seen, s, batch)}
+    kappa = batch / s.base_batch
+    if s.scaling == "adam_sqrt":
+        settings["betas"], settings["eps"] = adam_sqrt_moments(kappa, s.betas, s.eps)
+    if s.weight_decay_scaling == "timescale":
+        settings["weight_decay_factor"] = timescale_weight_decay(kappa, scaling_factor(batch, s.base_batch, s.scaling))
+    return settings
+
+
+def adam_sqrt_out_of_range(s: Schedule, global_batch: int) -> str | None:
+    """A warning when adam_sqrt at `global_batch` would take a beta to 0 or below (it is clamped), else None."""
+    if s.scaling != "adam_sqrt":
+        return None
+    kappa = global_batch / s.base_batch
+    clamped = [f"beta{i + 1}={b:g}" for i, b in enumerate(s.betas) if kappa * (1 - b) >= 1]
+    if not clamped:
+        return None
+    return (f"schedule.scaling=adam_sqrt at {kappa:g}x the base batch: 1 - kappa (1 - beta) <= 0 for "
+            f"{', '.join(clamped)} (Malladi et al.'s rule holds for kappa < 1/(1 - beta)); clamped to 0. "
+            "Raise the base betas or schedule.base_batch")
+
+
 def peak(s: Schedule, budget: Budget) -> tuple[float, int]:
     """(the highest LR the run reaches, samples seen at the step that takes it).
 
@@ -95,14 +155,27 @@ def peak(s: Schedule, budget: Budget) -> tuple[float, int]:
     return lr_at(at, s), at
 
 
-def build_schedule(cfg: Mapping, base_lr: float, global_batch: int, budget: Budget) -> Schedule:
+def build_schedule(cfg: Mapping, base_lr: float, global_batch: int, budget: Budget,
+                   betas: Sequence[float] | None = None, eps: float | None = None) -> Schedule:
     """The run's Schedule from the `schedule` config node; every value is checked here, once.
+
+    `betas` and `eps` are the optimizer's (optim.betas, optim.eps), which adam_sqrt scales.
 
     Epoch counts mean epochs of the steps the run takes (with drop_last an
     epoch at batch B is N // B steps) and land on a step boundary, so the step
     that ends warmup runs at exactly the peak LR.
     """
     scaling = one_of("schedule.scaling", cfg.get("scaling", "none"), SCALING_RULES)
+    weight_decay_scaling = one_of("schedule.weight_decay_scaling", cfg.get("weight_decay_scaling", "none"),
+                                  WEIGHT_DECAY_SCALINGS)
+    if scaling == "adam_sqrt":
+        if betas is None or eps is None:
+            raise ConfigError("schedule.scaling=adam_sqrt scales Adam's betas and eps, and this optimizer has none: "
+                              "use optim=adamw (or lamb), or schedule.scaling=sqrt")
+        betas = tuple(number("optim.betas", b, low=0, high=1, high_open=True) for b in betas)
+        if len(betas) != 2:
+            raise ConfigError(f"optim.betas must hold two numbers, got {list(betas)}")
+        eps = number("optim.eps", eps, low=0)
     base_batch = integer("schedule.base_batch", cfg.get("base_batch", 64))
     warmup_mode = one_of("schedule.warmup_mode", cfg.get("warmup_mode", "linear"), WARMUP_MODES)
     decay = one_of("schedule.decay", cfg.get("decay", "constant"), DECAYS)
@@ -136,7 +209,9 @@ def build_schedule(cfg: Mapping, base_lr: float, global_batch: int, budget: Budg
         raise ConfigError(f"schedule: the LR would drop at sample {min(early):,}, before warmup ends at "
                           f"{warmup_samples:,}; put step milestones and batch-ramp milestones after the warmup")
     return Schedule(base_lr, global_batch, base_batch, scaling, warmup_samples, warmup_start, warmup_mode, decay,
-                    budget.total_samples, final_factor, power, tuple(sorted(drops)))
+                    budget.total_samples, final_factor, power, tuple(sorted(drops)),
+                    betas if scaling == "adam_sqrt" else None, eps if scaling == "adam_sqrt" else None,
+                    weight_decay_scaling)
 
 
 def warmup_outlasts_run(s: Schedule, budget: Budget) -> str | None:
@@ -164,4 +239,11 @@ def describe(s: Schedule, budget: Budget) -> str:
     decay = s.decay if s.decay in ("constant", "step") else f"{s.decay} decay to {s.final_factor:g} x peak"
     drops = len(s.drops)
     parts.append(decay + (f", {drops} LR drop{'s' if drops > 1 else ''}" if drops else ""))
-    return f"lr: peak {top:g} at sample {at:,} (step {budget.step_boundary(at)[0]}) = {'; '.join(parts)}"
+    line = f"lr: peak {top:g} at sample {at:,} (step {budget.step_boundary(at)[0]}) = {'; '.join(parts)}"
+    settings = optimizer_settings(at, s)
+    if "betas" in settings:
+        (beta1, beta2), eps = settings["betas"], settings["eps"]
+        line += f"; betas ({beta1:.4g}, {beta2:.6g}) eps {eps:.3g} (adam_sqrt, Malladi et al. 2022)"
+    if "weight_decay_factor" in settings:
+        line += f"; weight decay x{settings['weight_decay_factor']:.3g} (fixed AdamW timescale)"
+    return line

@@ -231,7 +231,9 @@ def build_parts(config: dict, ctx: lbt_dist.DistContext, extra_techniques: list[
         for layout in dict.fromkeys(plans):  # each distinct layout, in order
             technique.check_plan(layout)
     budget = make_budget(plans, num_train, trainer_cfg["max_steps"])
-    schedule = lbt_lr.build_schedule(config["schedule"], config["optim"]["lr"], plan.global_batch, budget)
+    optim_cfg = config["optim"]
+    schedule = lbt_lr.build_schedule(config["schedule"], optim_cfg["lr"], plan.global_batch, budget,
+                                     optim_cfg.get("betas"), optim_cfg.get("eps"))
     for technique in techniques:
         if technique.replaces_lr_decay and schedule.decay != "constant" and ctx.is_main:
             say(f"lbt: warning: technique {technique.name} replaces the LR decay (Smith et al. 2017), but "
@@ -340,9 +342,10 @@ def _print_start(config: dict, parts: Parts, run_dir: str) -> None:
         say(f"techniques: {' | '.join(t.describe() for t in parts.techniques)}")
     say(f"{parts.plan.describe(len(parts.data.train))} {lbt_lr.describe(parts.schedule, parts.budget)} "
         f"run_dir={run_dir}")
-    warning = lbt_lr.warmup_outlasts_run(parts.schedule, parts.budget)
-    if warning:
-        say(f"lbt: warning: {warning}", stderr=True)
+    for warning in (lbt_lr.warmup_outlasts_run(parts.schedule, parts.budget),
+                    lbt_lr.adam_sqrt_out_of_range(parts.schedule, max(p.global_batch for p in parts.budget.plans))):
+        if warning:
+            say(f"lbt: warning: {warning}", stderr=True)
 
 
 def hparams_identity(config: dict, parts: Parts) -> dict[str, str]:

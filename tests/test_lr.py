@@ -139,7 +139,7 @@ def test_step_milestones_and_ramp_divisions_become_drops():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"scaling": "lnear"}, "schedule.scaling must be one of none, linear, sqrt, got 'lnear'"),
+    ({"scaling": "lnear"}, "schedule.scaling must be one of none, linear, sqrt, adam_sqrt, got 'lnear'"),
     ({"decay": "linear"}, "schedule.decay must be one of constant, cosine, poly, step"),
     ({"warmup_mode": "cosine"}, "schedule.warmup_mode must be one of linear, constant"),
     ({"base_batch": 0}, "schedule.base_batch must be a positive integer"),

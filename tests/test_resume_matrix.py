@@ -38,6 +38,11 @@ TECHNIQUES = {
     # Milestones inside the run: epochs of 12, 6 and 3 steps at batch 64, 128, 256;
     # stopped at step 16, in the ramped second epoch.
     "batch_ramp": (["technique=[batch_ramp]", "technique.batch_ramp.milestones=[1,2]"], 14),
+    # Batch-size warmup from the noise scale: a low threshold so the first epoch's end doubles the batch
+    # (capped at 128: epochs of 12, 6 and 6 steps); stopped at step 14, in the ramped second epoch.
+    "batch_ramp_auto": (["technique=[batch_ramp]", "technique.batch_ramp.mode=auto", "technique.batch_ramp.threshold=0.01",
+                         "technique.batch_ramp.max_global_batch=128", "optim=adamw", "schedule.scaling=adam_sqrt",
+                         "optim.betas=[0.99,0.999]"], 14),
     "bn_epoch_average": (["technique=[bn_epoch_average]"], STOP_AT),
     "gns": (["measure=[gns]"], STOP_AT),
     # Two real processes: each rank's error feedback is its own.

@@ -27,6 +27,7 @@ Where each hook fires in a run (lbt/train.py builds, lbt/trainer.py loops):
             at evaluation steps (log-spaced, and each epoch's end):
                 for t in techniques: t.before_eval(model)         # BN recalibration
                 evaluate(); for t in techniques: t.after_eval(step, samples_seen, acc)
+        for t in techniques: plans = t.replan(epoch, samples_seen, plans, num_train)  # batch-size warmup
 
 Techniques run in ascending `order` at every hook (a declared order, so a
 recipe's list order does not matter): model surgery before initialisation
@@ -70,6 +71,9 @@ class Technique:
     # True: the technique stands in for the LR decay (a batch ramp), so a decaying schedule beside it
     # decays twice; the run warns.
     replaces_lr_decay: ClassVar[bool] = False
+    # True: the LR scaling rule follows the batch the technique sets (an automatic batch ramp), not the
+    # configured one.
+    lr_follows_batch: ClassVar[bool] = False
 
     def on_model(self, model: nn.Module) -> nn.Module:
         return model
@@ -83,6 +87,11 @@ class Technique:
         A plan's lr_factor is how the technique changes the LR: the schedule
         (lbt/lr.py) applies it from that epoch on.
         """
+        return plans
+
+    def replan(self, epoch: int, samples_seen: int, plans: list[BatchPlan], num_train: int) -> list[BatchPlan]:
+        """At the end of epoch `epoch` (0-based), the layouts of every epoch, those after it decided from what
+        the run measured (an automatic batch ramp); return `plans` unchanged to keep them."""
         return plans
 
     def check_plan(self, plan: BatchPlan) -> None:

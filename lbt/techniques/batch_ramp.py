@@ -1,13 +1,37 @@
-"""Grow the global batch instead of decaying the LR (Smith, Kindermans, Ying, Le 2017)."""
+"""Grow the global batch during training.
+
+mode=milestones: at fixed epochs, instead of decaying the LR (Smith, Kindermans, Ying, Le 2017).
+mode=auto: whenever the measured gradient noise scale outgrows the batch (McCandlish et al. 2018;
+Merrill et al. 2025, "Critical Batch Size Revisited"; Gray et al. 2024).
+"""
 
 from __future__ import annotations
 
 import bisect
+import math
+
+import torch
+import torch.distributed as dist
 
 from lbt.config import BatchPlan
 from lbt.dist import note
+from lbt.errors import ConfigError
+from lbt.metrics.text_log import say
 from lbt.techniques.base import Technique
+from lbt.techniques.gns import GradientNoiseScale
 from lbt.validate import integer, number, one_of
+
+MODES = ("milestones", "auto")
+
+
+def batch_ramp(mode: str = "milestones", milestones: list[float] = (3, 6, 8), factor: int = 2,
+               max_global_batch: int | None = None, grow: str = "per_worker_batch", threshold: float = 1.0,
+               ema_decay: float = 0.95) -> Technique:
+    """The `technique.batch_ramp` node: a BatchRamp (milestones) or an AutoBatchRamp (auto)."""
+    one_of("technique.batch_ramp.mode", mode, MODES)
+    if mode == "auto":
+        return AutoBatchRamp(factor, max_global_batch, grow, threshold, ema_decay)
+    return BatchRamp(milestones, factor, max_global_batch, grow)
 
 
 def ramp_growth(epoch: float, milestones: list[float], factor: int, max_growth: int) -> tuple[int, int]:
@@ -69,3 +93,95 @@ class BatchRamp(Technique):
     def describe(self) -> str:
         cap = f" up to {self.cap:,}" if self.cap else ""
         return f"batch x{self.factor} at epochs {self.milestones}{cap} (via {self.grow})"
+
+
+def auto_ramp_batch(global_batch: int, b_simple: float, threshold: float, factor: int, cap: int) -> int:
+    """The next epoch's global batch: x factor, again and again, while the measured noise scale
+    exceeds `threshold` x the batch and the grown batch stays <= cap.
+
+    B_simple estimates the critical batch, the batch past which more samples per step stop
+    saving steps (McCandlish et al. 2018, eq. 2.12 and sec. 2.3); it does not depend on the
+    batch it is measured at, so one measurement may justify several doublings. Unmeasured
+    (NaN) or negative: keep the batch.
+    """
+    if not math.isfinite(b_simple):
+        return global_batch
+    while b_simple > threshold * global_batch and global_batch * factor <= cap:
+        global_batch *= factor
+    return global_batch
+
+
+class AutoBatchRamp(GradientNoiseScale):
+    """Batch-size warmup from the measured noise scale: measure B_simple every step (as measure=[gns]
+    does, beside the step), and at each epoch's end grow the batch for the epochs after it
+    (`auto_ramp_batch`), through more simulated workers or bigger ones, never past
+    max_global_batch or the training set.
+
+    Unlike the milestone ramp, this does not replace LR decay: the LR (and Adam's betas
+    under adam_sqrt) follow the configured scaling rule at the batch reached. Decisions are
+    made at epoch ends because a batch layout lives for an epoch in lbt (lbt/data/batches.py);
+    they are kept in checkpoints with the run's batch plans, so a resumed run decides nothing twice.
+    """
+
+    name = "batch_ramp"
+    order = 5
+    lr_follows_batch = True
+
+    def __init__(self, factor: int = 2, max_global_batch: int | None = None, grow: str = "per_worker_batch",
+                 threshold: float = 1.0, ema_decay: float = 0.95):
+        super().__init__(ema_decay=number("technique.batch_ramp.ema_decay", ema_decay, 0, 1, high_open=True))
+        self.grow = one_of("technique.batch_ramp.grow", grow, ("per_worker_batch", "world_size"))
+        self.factor = integer("technique.batch_ramp.factor", factor, 2)
+        self.max_global_batch = (None if max_global_batch is None
+                                 else integer("technique.batch_ramp.max_global_batch", max_global_batch))
+        self.threshold = number("technique.batch_ramp.threshold", threshold, low=0, low_open=True)
+        self.changes: list[list[float]] = []  # [samples seen, epoch, new global batch, B_simple] per decision
+
+    def check_plan(self, plan: BatchPlan) -> None:
+        if plan.world_size == 1:
+            raise ConfigError("technique.batch_ramp.mode=auto measures the noise scale by comparing one worker's "
+                              "gradient with the global batch's: give dist.world_size >= 2 (simulated workers are "
+                              "enough)")
+
+    def combine_processes(self, worker_sq: torch.Tensor, procs: int) -> torch.Tensor:
+        """Worker 0's measurement, the one a run simulating all workers in one process takes: the decisions,
+        which change the run, are then the same however the workers are laid out on processes."""
+        dist.broadcast(worker_sq, src=0)
+        return worker_sq
+
+    def replan(self, epoch: int, samples_seen: int, plans: list[BatchPlan], num_train: int) -> list[BatchPlan]:
+        if epoch + 1 >= len(plans):
+            return plans
+        current = plans[epoch + 1]
+        cap = min(self.max_global_batch or num_train, num_train)
+        b_simple = self.estimator.b_simple
+        target = auto_ramp_batch(current.global_batch, b_simple, self.threshold, self.factor, cap)
+        if target == current.global_batch:
+            return plans
+        grown = current.grown(target // current.global_batch, self.grow)
+        self.changes.append([samples_seen, epoch + 1, grown.global_batch, b_simple])
+        if not dist.is_initialized() or dist.get_rank() == 0:  # every rank decides the same; one says it
+            say(f"batch_ramp: B_simple={b_simple:,.0f} > {self.threshold:g} x {current.global_batch:,}: global batch "
+                f"{current.global_batch:,} -> {grown.global_batch:,} from epoch {epoch + 2} "
+                f"(world_size={grown.world_size}, per_worker_batch={grown.per_worker_batch})")
+        return plans[: epoch + 1] + [grown] * (len(plans) - epoch - 1)
+
+    def metrics(self) -> dict[str, float]:
+        # Its own names, so measure=[gns] beside it does not log into the same tags.
+        return {key.replace("gns/", "batch_ramp/"): value for key, value in super().metrics().items()}
+
+    def curves(self) -> dict[str, list[list[float]]]:
+        return {"batch_ramp/b_simple": list(self.curve),
+                "batch_ramp/global_batch": [[samples, batch] for samples, _, batch, _ in self.changes]}
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "changes": [list(c) for c in self.changes]}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.changes = [list(c) for c in state.get("changes", [])]
+
+    def describe(self) -> str:
+        cap = f" up to {self.max_global_batch:,}" if self.max_global_batch else ""
+        return (f"batch x{self.factor} while B_simple > {self.threshold:g} x batch, at epoch ends{cap} "
+                f"(via {self.grow})")

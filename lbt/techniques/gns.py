@@ -125,12 +125,16 @@ class GradientNoiseScale(Technique):
             small_batch = self.worker_batch
         if small_batch >= progress.global_batch:
             return
-        if procs > 1:  # every process measured its own worker: average them
-            dist.all_reduce(worker_sq)
-            worker_sq = worker_sq / procs
+        if procs > 1:
+            worker_sq = self.combine_processes(worker_sq, procs)
         population = progress.samples_per_epoch if self.finite_population else None
         self.estimator.update(worker_sq.item(), grad_sq_norm(model).item(), small_batch, progress.global_batch,
                               population)
+
+    def combine_processes(self, worker_sq: torch.Tensor, procs: int) -> torch.Tensor:
+        """Every process measured its own first worker: average them (a steadier estimate)."""
+        dist.all_reduce(worker_sq)
+        return worker_sq / procs
 
     def after_eval(self, step: int, samples_seen: int, acc: float) -> None:
         if self.estimator.weight:
