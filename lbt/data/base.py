@@ -60,6 +60,9 @@ class DataSplits:
     test: Dataset | None
     num_classes: int
     input_shape: tuple[int, ...]
+    # What one label is in a language model ("char": data=text); its loss in bits is bits per char.
+    # None: one label per sample (classification).
+    token: str | None = None
 
 
 def split_validation(

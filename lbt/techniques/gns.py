@@ -132,7 +132,7 @@ class GradientNoiseScale(Technique):
         self.estimator.update(worker_sq.item(), grad_sq_norm(model).item(), small_batch, progress.global_batch,
                               population)
 
-    def after_eval(self, step: int, samples_seen: int, acc: float) -> None:
+    def after_eval(self, step: int, samples_seen: int, acc: float, loss: float) -> None:
         if self.estimator.weight:
             self.curve.append([samples_seen, self.estimator.b_simple])
 
