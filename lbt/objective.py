@@ -30,6 +30,17 @@ class Metric:
     worst: float  # a diverged run's value: it spent its budget and counts as the worst
     scale: float  # shown as value x scale (accuracy in percent)
     decimals: int
+    suffix: str  # after a shown value in a sentence ("%")
+
+    @property
+    def direction(self) -> str:
+        """Optuna's word for it: maximize or minimize."""
+        return "maximize" if self.higher_is_better else "minimize"
+
+    @property
+    def gap_spec(self) -> str:
+        """Format of a signed gap in units (points to 2 decimals, nats to 4)."""
+        return f"+.{self.decimals}f"
 
     def score(self, value: float) -> float:
         """Higher is better, whatever the metric."""
@@ -54,16 +65,16 @@ class Metric:
     def show(self, value: float | None) -> str:
         if value is None or not math.isfinite(value):
             return "-"
-        return f"{value * self.scale:.{self.decimals}f}{'%' if self.scale == 100 else ''}"
+        return f"{value * self.scale:.{self.decimals}f}"
 
     def units(self, amount: float) -> str:
         return f"{amount:g} {self.unit}{'s' if amount != 1 else ''}"
 
 
 ACC = Metric("acc", "accuracy", True, "point", 0.01, target_margin=1.0, default_tolerance=1.0, start=0.0,
-             worst=0.0, scale=100, decimals=2)
+             worst=0.0, scale=100, decimals=2, suffix="%")
 LOSS = Metric("loss", "loss", False, "nat", 1.0, target_margin=0.05, default_tolerance=0.05, start=None,
-              worst=math.inf, scale=1, decimals=4)
+              worst=math.inf, scale=1, decimals=4, suffix="")
 METRICS = {m.name: m for m in (ACC, LOSS)}
 
 
