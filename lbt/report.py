@@ -302,8 +302,8 @@ def answer_lines(answer: dict) -> list[str]:
     if best:
         lines += ["", f"**Answer: up to {best['world_size']} GPUs (global batch {best['global_batch']:,}) with "
                       f"{best['recipe']}**, within {within} of the smallest batch on "
-                      f"{split}; past that, {metric.label} (or the run) is lost. Whether those GPUs also pay in time "
-                      "is `lbt plan`'s question (time per epoch vs GPU count)."]
+                      f"{split}; past that, {metric.label} is more than {within} worse (or the run is lost). "
+                      "Whether those GPUs also pay in time is `lbt plan`'s question (time per epoch vs GPU count)."]
     tta = answer.get("time_to_accuracy")
     if tta:
         lines += ["", f"Time to accuracy on {tta['network']} (steps to the target, measured, x lbt plan's step time "

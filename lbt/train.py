@@ -397,8 +397,8 @@ def _finish(config: dict, parts: Parts, result: Result, run_dir: str, logger: Ru
     atomic_write(Path(run_dir) / "final_model.pt", lambda f: torch.save(parts.model.state_dict(), f))
     atomic_write(Path(run_dir) / "result.json",
                  lambda f: f.write(json.dumps(summary, indent=2, allow_nan=True).encode()))
-    say(f"done: {closing_scores(result, parts.data.token)} steps={result.steps} samples/s={result.samples_per_sec:,.0f} "
-        f"wall={result.wall_seconds:.1f}s -> {run_dir}/result.json")
+    say(f"done: {closing_scores(result, parts.data.token)} steps={result.steps} "
+        f"samples/s={result.samples_per_sec:,.0f} wall={result.wall_seconds:.1f}s -> {run_dir}/result.json")
     return summary
 
 

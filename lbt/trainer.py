@@ -39,8 +39,8 @@ from lbt.lr import Schedule, lr_at, peak
 from lbt.metrics.tensorboard import RunLogger
 from lbt.metrics.text_log import say
 from lbt.metrics.window import TrainWindow
-from lbt.objective import ACC, LOSS
 from lbt.metrics.timing import StepTimer
+from lbt.objective import ACC, LOSS
 from lbt.techniques.base import Progress, Technique
 
 

@@ -44,7 +44,13 @@ def test_vocabulary_windows_and_splits(text_file):
     assert len(data.val) == round(0.1 * len(train_x))
     # The planner's view matches the data without building the splits.
     shape = build_text(str(text_file), context=16, test_fraction=0.1, val_fraction=0.1, shape_only=True)
-    assert shape == DataShape((16,), len(vocab), len(data.train))
+    assert shape == DataShape((16,), len(vocab), len(data.train), token="char")
+    # lbt plan profiles the character model on token ids of that shape.
+    from lbt.plan import profile_compute
+
+    model = compose_config(["data=text", "data.path=x"])[0].model
+    compute = profile_compute({**model, "dim": 16, "depth": 1}, shape, per_worker_batch=4, repeats=1, warmup=0)
+    assert compute.num_params > 0
 
 
 def windows_of(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,6 +38,7 @@ class DataShape(NamedTuple):
     input_shape: tuple[int, ...]
     num_classes: int | None  # None: not known without reading the data (an image folder's classes)
     num_train: int | None  # training samples per epoch, after any validation split
+    token: str | None = None  # a language model's inputs and labels are (T,) token ids ("char"), see DataSplits
 
 
 def train_size(n: int, val_fraction: float) -> int:

@@ -43,7 +43,7 @@ def build_text(
             f"(plus the next character) in training and in the test split (its last data.test_fraction="
             f"{test_fraction}); use a longer file or a smaller data.context")
     if shape_only:
-        return DataShape((context,), len(vocab), train_size(len(train), val_fraction))
+        return DataShape((context,), len(vocab), train_size(len(train), val_fraction), token="char")
     splits = split_validation(train, test, val_fraction, val_seed, num_classes=len(vocab), input_shape=(context,))
     return replace(splits, token="char")
 
