@@ -39,7 +39,7 @@ commands:
   tune [overrides]      the same tuning budget (Optuna trials, chosen on val) for every cell of
                         recipes x world sizes, then the best and the untuned defaults over seeds,
                         scored on test; e.g. `lbt tune recipe=baseline,lamb dist.world_size=16,64`
-  report DIR [--target ACC]
+  report DIR [--target ACC] [--metric loss --target LOSS]
                         turn a multirun folder into report.md, PNG curves, summary.json, tb_summary/
   plan [options]        predict time per epoch vs GPU count from measured compute and a network
                         model: where adding GPUs stops paying (`lbt plan --help`)
@@ -57,7 +57,8 @@ declares, then writes its report (report.md, PNG curves, summary.json, tb_summar
   lbt study hydra.sweep.dir=runs/study/mine  where it goes (default runs/study/<date>_<time>)
   lbt study hydra/launcher=slurm             on a cluster (README: Launchers)
 
-Then `lbt report DIR --target 0.95` re-reads the folder with another accuracy target.
+Then `lbt report DIR --target 0.95` re-reads the folder with another accuracy target
+(`--metric loss --target 2.1`: a loss target, lower is better).
 """
 
 
@@ -334,12 +335,12 @@ def study_command(args: list[str]) -> None:
 
 
 def report_flags(args: list[str]) -> tuple[list[str], list[str]]:
-    """`lbt study`'s report options (--target, --tolerance, --network, --step-ms, as `lbt report` takes them)
+    """`lbt study`'s report options (--metric, --target, --tolerance, --network, --step-ms, as `lbt report` takes them)
     apart from its overrides."""
     flags, rest, i = [], [], 0
     while i < len(args):
         name = args[i].split("=", 1)[0]
-        if name in ("--target", "--tolerance", "--network", "--step-ms"):
+        if name in ("--metric", "--target", "--tolerance", "--network", "--step-ms"):
             if "=" in args[i]:
                 flags.append(args[i])
             elif i + 1 < len(args):
@@ -351,7 +352,7 @@ def report_flags(args: list[str]) -> tuple[list[str], list[str]]:
             continue
         rest.append(args[i])
         i += 1
-    report_parser().parse_args(["study_dir", *flags])  # checked now, not after the study ran
+    report_options(["study_dir", *flags])  # checked now, not after the study ran
     return flags, rest
 
 
@@ -391,20 +392,43 @@ def points(text: str) -> float:
     return value
 
 
+def loss_value(text: str) -> float:
+    """A loss in nats (a target, or a tolerance), e.g. `2.1` or `0.05`."""
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a loss in nats (e.g. 2.1)") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive loss in nats")
+    return value
+
+
+# How --target and --tolerance read for each --metric: accuracy (0.95 or 95%; points) or loss (nats).
+METRIC_READERS = {"acc": (accuracy_target, points), "loss": (loss_value, loss_value)}
+
+
 def report_parser():
     import argparse
 
-    from lbt.report import DEFAULT_TOLERANCE
+    from lbt.objective import METRICS
 
     parser = argparse.ArgumentParser(prog="lbt report", description="Report of a study (multirun) folder.")
     parser.error = lambda message: fail(f"lbt report: {message}")  # one line, not usage + error
     parser.add_argument("study_dir")
-    parser.add_argument("--target", type=accuracy_target, default=None,
-                        help="accuracy for steps-to-target, as 0.95 or 95%% (default: the base batch's final "
-                             "accuracy minus 1 point)")
-    parser.add_argument("--tolerance", type=points, default=DEFAULT_TOLERANCE,
-                        help="how many GPUs: the largest batch within this many accuracy points of the smallest "
-                             f"batch (default {DEFAULT_TOLERANCE:g})")
+    parser.add_argument("--metric", choices=list(METRIC_READERS), default="acc",
+                        help="judge the runs by final val accuracy (acc, higher is better) or val loss (loss, in "
+                             "nats, lower is better; a language model's bits per char x ln 2)")
+    parser.add_argument("--target", default=None,
+                        help="for steps-to-target: an accuracy as 0.95 or 95%%, or with --metric loss a loss in "
+                             "nats (default: the base batch's final value, worse by "
+                             f"{METRICS['acc'].units(METRICS['acc'].target_margin)} of accuracy or "
+                             f"{METRICS['loss'].units(METRICS['loss'].target_margin)} of loss)")
+    parser.add_argument("--tolerance", default=None,
+                        help="how many GPUs: the largest batch within this many accuracy points (or nats of loss) "
+                             f"of the smallest batch (default {METRICS['acc'].units(METRICS['acc'].default_tolerance)}"
+                             f", {METRICS['loss'].units(METRICS['loss'].default_tolerance)})")
     parser.add_argument("--network", help="also answer which GPU count reaches the target soonest on this network "
                                           "(lbt plan's presets, e.g. 10gbe, ib-fdr)")
     parser.add_argument("--step-ms", type=float, help="with --network: a worker's step time measured elsewhere "
@@ -412,23 +436,35 @@ def report_parser():
     return parser
 
 
+def report_options(args: list[str]):
+    """`lbt report`'s options, --target and --tolerance read in the terms of --metric."""
+    import argparse
+
+    options = report_parser().parse_args(args)
+    for flag, reader in zip(("target", "tolerance"), METRIC_READERS[options.metric]):
+        text = getattr(options, flag)
+        try:
+            setattr(options, flag, None if text is None else reader(text))
+        except argparse.ArgumentTypeError as error:
+            fail(f"lbt report: argument --{flag}: {error}")
+    return options
+
+
 def report_command(args: list[str]) -> None:
     from lbt.report import write_report
 
-    parser = report_parser()
-    options = parser.parse_args(args)
+    options = report_options(args)
     if not os.path.isdir(options.study_dir):
         fail(f"no such study folder: {options.study_dir}")
     try:
         if options.step_ms is not None and (options.network is None or not options.step_ms > 0):
             raise ConfigError("--step-ms takes a positive time in ms and goes with --network")
         summary = write_report(options.study_dir, options.target, options.tolerance, options.network,
-                               options.step_ms)
+                               options.step_ms, options.metric)
     except ConfigError as error:
         fail(str(error))
     print(open(os.path.join(options.study_dir, "report.md")).read())
-    print(f"wrote report.md, accuracy_vs_batch.png, steps_to_target.png, summary.json, tb_summary/ "
-          f"({len(summary['jobs'])} jobs) in {options.study_dir}")
+    print(f"wrote {', '.join(summary['files'])}/ ({len(summary['jobs'])} jobs) in {options.study_dir}")
 
 
 def main(argv: list[str] | None = None) -> None:

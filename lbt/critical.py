@@ -1,6 +1,6 @@
 """The critical batch size, measured two ways for the study report (numpy only).
 
-1. From steps to a target accuracy (Shallue et al. 2019, "Measuring the Effects of
+1. From steps to a target accuracy or loss (Shallue et al. 2019, "Measuring the Effects of
    Data Parallelism on Neural Network Training"): `crossing_step` reads one run's
    steps-to-target, `fit_steps_to_target` fits McCandlish et al.'s trade-off curve
    through those steps across batches, `bootstrap_fit` puts an interval on it.
@@ -25,28 +25,36 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lbt.objective import ACC, Metric
 
-def crossing_step(history: Sequence[Mapping], target: float, *, start_acc: float = 0.0) -> float | None:
-    """The fractional step at which the held-out accuracy first reaches `target`; None if it never does.
+
+def crossing_step(history: Sequence[Mapping], target: float, *, start_acc: float | None = None,
+                  metric: Metric = ACC) -> float | None:
+    """The fractional step at which the held-out `metric` first reaches `target`; None if it never does.
 
     `history` holds evaluations ({"step", "samples_seen", "global_batch", "acc", "loss"}) in
-    ascending step. The crossing is interpolated linearly between the last evaluation
-    below `target` and the first one at or above it, which removes the evaluation
-    interval's staircase from steps-to-target (Shallue et al. 2019 count steps to a
-    target). If the first evaluation already reaches `target`, the run is taken to start
-    at (step 0, `start_acc`): pass chance level (1 / classes) where it is known; the
-    default 0 gives the later, more conservative crossing. Non-finite accuracies are skipped.
+    ascending step. Reaching is the metric's (acc >= target, loss <= target). The crossing is
+    interpolated linearly between the last evaluation short of `target` and the first one that
+    reaches it, which removes the evaluation interval's staircase from steps-to-target (Shallue
+    et al. 2019 count steps to a target). If the first evaluation already reaches `target`, the
+    run is taken to start at (step 0, `start_acc`): pass chance level (1 / classes) where it is
+    known; the default, the metric's start (accuracy 0), gives the later, more conservative
+    crossing. A loss has no known start: the first evaluation counts at its own step.
+    Non-finite values are skipped.
     """
-    prev_step, prev_acc = 0.0, start_acc
-    if prev_acc >= target:
+    start = metric.start if start_acc is None else start_acc
+    prev_step, prev = 0.0, None if start is None else metric.score(start)
+    goal = metric.score(target)
+    if prev is not None and prev >= goal:
         return 0.0
     for point in history:
-        step, acc = float(point["step"]), float(point["acc"])
-        if not math.isfinite(acc):
+        step, value = float(point["step"]), float(point[metric.name])
+        if not math.isfinite(value):
             continue
-        if acc >= target:
-            return prev_step + (step - prev_step) * (target - prev_acc) / (acc - prev_acc)
-        prev_step, prev_acc = step, acc
+        score = metric.score(value)
+        if score >= goal:
+            return step if prev is None else prev_step + (step - prev_step) * (goal - prev) / (score - prev)
+        prev_step, prev = step, score
     return None
 
 

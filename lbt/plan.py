@@ -310,8 +310,13 @@ def profile_compute(
             net = build_model(model, shape)
         net.train()
         optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
-        x = torch.randn(per_worker_batch, *shape.input_shape, generator=generator)
-        y = torch.randint(0, shape.num_classes or 1000, (per_worker_batch,), generator=generator)
+        classes = shape.num_classes or 1000
+        if shape.token:  # a language model: token ids in, the next token at every position out
+            x = torch.randint(0, classes, (per_worker_batch, *shape.input_shape), generator=generator)
+            y = torch.randint(0, classes, (per_worker_batch, *shape.input_shape), generator=generator)
+        else:
+            x = torch.randn(per_worker_batch, *shape.input_shape, generator=generator)
+            y = torch.randint(0, classes, (per_worker_batch,), generator=generator)
         loss_fn = torch.nn.CrossEntropyLoss()
         times: list[tuple[float, float, float]] = []  # forward, backward, optimizer per step
         for i in range(warmup + repeats):

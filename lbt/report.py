@@ -10,6 +10,11 @@ Every number is named after the split it was measured on: `val` is held out
 of the training set and is what runs select on (best, steps-to-target);
 `test` is scored once per run, at the end. A study whose runs have no
 validation split evaluated test during training, and its columns say test.
+
+The report judges runs by accuracy (`--metric acc`, the default) or by loss
+(`--metric loss`, lower is better; a language model's also reads as bits per
+char): the target, steps to it and "how many GPUs" all compare through
+lbt/objective.py's Metric; accuracy_vs_batch.png is then loss_vs_batch.png.
 """
 
 from __future__ import annotations
@@ -25,12 +30,11 @@ from pathlib import Path
 
 from lbt.critical import bootstrap_fit, crossing_step, gns_summary
 from lbt.errors import ConfigError
+from lbt.objective import ACC, Metric, metric_named
 
 SUMMARY_DIR = "tb_summary"
-# The default target: the base batch's final accuracy (on the selection split) minus this margin.
-TARGET_MARGIN = 0.01
-# How many GPUs: the largest batch whose accuracy stays within this many points of the smallest batch's.
-DEFAULT_TOLERANCE = 1.0
+# The default target (the base batch's final value, on the selection split, made worse by the metric's
+# target_margin) and the default tolerance of "how many GPUs" are the metric's: lbt/objective.py.
 GNS_WINDOW = 0.2  # B_simple is summarised over this last fraction of training
 
 
@@ -48,7 +52,7 @@ class Row:
     best_acc: float
     test_acc: float | None  # scored once per run, at the end
     test_acc_std: float | None
-    gap: float | None  # test accuracy minus the smallest-batch baseline's, in points
+    gap: float | None  # the report metric on test minus the smallest-batch baseline's, in its units
     steps: float
     steps_to_target: float | None  # interpolated crossing on `split`, mean over seeds
     steps_to_target_std: float | None
@@ -57,6 +61,23 @@ class Row:
     errors: int
     b_simple: float | None  # gradient noise scale over the last GNS_WINDOW of training, median over seeds
     jobs: list[str] = field(default_factory=list)
+    final_loss: float = math.nan  # on `split`
+    final_loss_std: float = math.nan
+    best_loss: float = math.nan
+    test_loss: float | None = None
+    test_loss_std: float | None = None
+    bits_per_char: float | None = None  # a language model's final loss on `split` in bits (data=text)
+    test_bits_per_char: float | None = None
+
+    def final(self, metric: Metric) -> float:
+        """The final value of `metric` on `split` (mean over seeds): final_acc or final_loss."""
+        return getattr(self, f"final_{metric.name}")
+
+    def final_std(self, metric: Metric) -> float:
+        return getattr(self, f"final_{metric.name}_std")
+
+    def test(self, metric: Metric) -> float | None:
+        return getattr(self, f"test_{metric.name}")
 
 
 def load_jobs(study_dir: Path) -> list[dict]:
@@ -109,27 +130,35 @@ def _groups(jobs: list[dict]) -> dict[tuple[str, int], list[dict]]:
     return dict(sorted(groups.items()))
 
 
-def default_target(jobs: list[dict]) -> float | None:
-    """The base batch's final accuracy (the baseline's, mean over seeds) minus TARGET_MARGIN."""
+def default_target(jobs: list[dict], metric: Metric = ACC) -> float | None:
+    """The base batch's final value of `metric` (the baseline's, mean over seeds), made worse by the
+    metric's target margin (accuracy: minus 1 point)."""
     trained = [j for j in jobs if "error" not in j and not j.get("diverged")]
     if not trained:
         return None
     smallest = min(int(j["global_batch"]) for j in trained)
     at_smallest = [j for j in trained if int(j["global_batch"]) == smallest]
     baseline = [j for j in at_smallest if j.get("recipe") == "baseline"] or at_smallest
-    accuracy, _ = _mean_std([_on(j, "final_{}_acc") for j in baseline])
-    return accuracy - TARGET_MARGIN if math.isfinite(accuracy) else None
+    value, _ = _mean_std([_on(j, "final_{}_" + metric.name) for j in baseline])
+    return metric.worse_by(value, metric.target_margin) if math.isfinite(value) else None
 
 
-def aggregate(jobs: list[dict], target: float | None) -> list[Row]:
+def _test_mean_std(jobs: list[dict], key: str) -> tuple[float | None, float | None]:
+    values = [j[key] for j in jobs if j.get(key) is not None]
+    return _mean_std(values) if values else (None, None)
+
+
+def aggregate(jobs: list[dict], target: float | None, metric: Metric = ACC) -> list[Row]:
     rows = []
     for (recipe, batch), members in _groups(jobs).items():
         ok = [j for j in members if "error" not in j]
         trained = [j for j in ok if not j.get("diverged")]
         final, final_std = _mean_std([_on(j, "final_{}_acc") for j in trained])
-        tests = [j["test_acc"] for j in trained if j.get("test_acc") is not None]
-        test, test_std = _mean_std(tests) if tests else (None, None)
-        reached = [crossing_step(_on(j, "{}_history") or [], target) for j in trained] if target else []
+        test, test_std = _test_mean_std(trained, "test_acc")
+        final_loss, final_loss_std = _mean_std([_on(j, "final_{}_loss") for j in trained])
+        test_loss, test_loss_std = _test_mean_std(trained, "test_loss")
+        reached = [crossing_step(_on(j, "{}_history") or [], target, metric=metric)
+                   for j in trained] if target is not None else []
         reached = [r for r in reached if r is not None]
         stt, stt_std = _mean_std(reached) if reached and len(reached) == len(trained) else (None, None)
         b_simple = [gns_summary(j.get("technique_curves", {}).get("gns/b_simple", []), GNS_WINDOW) for j in ok]
@@ -145,55 +174,66 @@ def aggregate(jobs: list[dict], target: float | None) -> list[Row]:
             diverged=sum(bool(j.get("diverged")) for j in ok), errors=len(members) - len(ok),
             b_simple=statistics.median(b_simple) if b_simple else None,
             jobs=[j["job_dir"] for j in members],
+            final_loss=final_loss, final_loss_std=final_loss_std,
+            best_loss=_mean_std([_on(j, "best_{}_loss") for j in trained])[0],
+            test_loss=test_loss, test_loss_std=test_loss_std,
+            bits_per_char=_optional(_mean_std([_on(j, "final_{}_bits_per_char") for j in trained])[0]),
+            test_bits_per_char=_test_mean_std(trained, "test_bits_per_char")[0],
         ))
-    reference = _reference(rows)
+    reference = _reference(rows, metric)
     for row in rows:
-        if reference is not None and row.test_acc is not None:
-            row.gap = 100 * (row.test_acc - reference)
+        if reference is not None and row.test(metric) is not None:
+            row.gap = (row.test(metric) - reference) / metric.unit_size
     return rows
 
 
-def _reference(rows: list[Row]) -> float | None:
-    """Test accuracy of the baseline at the smallest global batch (any recipe there if no baseline)."""
-    candidates = [r for r in rows if r.test_acc is not None]
+def _optional(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _reference(rows: list[Row], metric: Metric) -> float | None:
+    """The test value of the baseline at the smallest global batch (any recipe there if no baseline)."""
+    candidates = [r for r in rows if r.test(metric) is not None]
     if not candidates:
         return None
     smallest = min(r.global_batch for r in candidates)
     at_smallest = [r for r in candidates if r.global_batch == smallest]
     baseline = [r for r in at_smallest if r.recipe.split(" (")[0] == "baseline"]
-    return (baseline or at_smallest)[0].test_acc
+    return (baseline or at_smallest)[0].test(metric)
 
 
-def gpu_answer(rows: list[Row], tolerance: float) -> dict:
-    """How many GPUs: per recipe, the largest global batch whose mean final accuracy (on the selection
-    split) stays within `tolerance` points of the smallest batch's baseline, and the world size there.
+def gpu_answer(rows: list[Row], tolerance: float, metric: Metric = ACC) -> dict:
+    """How many GPUs: per recipe, the largest global batch whose mean final `metric` (on the selection
+    split) stays within `tolerance` (the metric's units: accuracy points, nats of loss) of the smallest
+    batch's baseline, and the world size there.
 
     Judged on the split the runs select on (val when there is one), never on test; test is shown beside.
+    Entries are named after the metric (`acc`, `acc_std`, `test_acc`, `next_acc`; `loss`, ...).
     """
-    split = "val" if any(r.split == "val" for r in rows) else "test"
-    scored = [r for r in rows if r.split == split and math.isfinite(r.final_acc)]
+    split, m = "val" if any(r.split == "val" for r in rows) else "test", metric.name
+    scored = [r for r in rows if r.split == split and math.isfinite(r.final(metric))]
     if not scored:
-        return {"tolerance": tolerance, "split": split, "reference": None, "recipes": [], "best": None}
+        return {"metric": m, "tolerance": tolerance, "split": split, "reference": None, "recipes": [], "best": None}
     smallest = min(r.global_batch for r in scored)
     at_smallest = [r for r in scored if r.global_batch == smallest]
     ref = ([r for r in at_smallest if _is_baseline(r.recipe)] or at_smallest)[0]
-    floor = ref.final_acc - tolerance / 100
+    floor = metric.worse_by(ref.final(metric), tolerance)  # the worst value still within the tolerance
     recipes = []
     for recipe in sorted({r.recipe for r in scored}):
         mine = sorted((r for r in scored if r.recipe == recipe), key=lambda r: r.global_batch)
-        within = [r for r in mine if r.final_acc >= floor and not r.diverged]
+        within = [r for r in mine if metric.reached(r.final(metric), floor) and not r.diverged]
         top = within[-1] if within else None
         beyond = next((r for r in mine if top and r.global_batch > top.global_batch), None)
         recipes.append({
             "recipe": recipe, "global_batch": top and top.global_batch, "world_size": top and top.world_size,
-            "acc": top and top.final_acc, "acc_std": top and top.final_acc_std, "seeds": top and top.seeds,
-            "test_acc": top and top.test_acc, "largest_batch_run": mine[-1].global_batch,
-            "next_batch": beyond and beyond.global_batch, "next_acc": beyond and beyond.final_acc,
+            m: top and top.final(metric), f"{m}_std": top and top.final_std(metric), "seeds": top and top.seeds,
+            f"test_{m}": top and top.test(metric), "largest_batch_run": mine[-1].global_batch,
+            "next_batch": beyond and beyond.global_batch, f"next_{m}": beyond and beyond.final(metric),
         })
     ranked = [r for r in recipes if r["global_batch"]]
-    best = max(ranked, key=lambda r: (r["global_batch"], r["acc"])) if ranked else None
-    return {"tolerance": tolerance, "split": split, "floor": floor, "best": best, "recipes": recipes,
-            "reference": {"recipe": ref.recipe, "global_batch": smallest, "acc": ref.final_acc}}
+    best = max(ranked, key=lambda r: (r["global_batch"], metric.score(r[m]))) if ranked else None
+    return {"metric": m, "tolerance": tolerance, "split": split, "floor": floor, "best": best, "recipes": recipes,
+            "reference": {"recipe": ref.recipe, "global_batch": smallest, m: ref.final(metric)}}
 
 
 def time_to_accuracy(rows: list[Row], answer: dict, jobs: list[dict], study_dir: Path, network: str,
@@ -221,11 +261,11 @@ def time_to_accuracy(rows: list[Row], answer: dict, jobs: list[dict], study_dir:
     else:
         compute, _ = lbt_plan.compute_from_result(study_dir / source["job_dir"] / "result.json")
     net = lbt_plan.NETWORKS[network]
-    floor = answer.get("floor")
+    floor, metric = answer.get("floor"), metric_named(answer["metric"], "metric")
     options = []
     for r in rows:
         if r.split != answer["split"] or r.steps_to_target is None or r.diverged or floor is None \
-                or r.final_acc < floor:
+                or not metric.reached(r.final(metric), floor):
             continue
         step_s = lbt_plan.plan_rows(compute, net, [r.world_size], 1)[0].step_s
         options.append({"recipe": r.recipe, "world_size": r.world_size, "global_batch": r.global_batch,
@@ -238,29 +278,32 @@ def time_to_accuracy(rows: list[Row], answer: dict, jobs: list[dict], study_dir:
 def answer_lines(answer: dict) -> list[str]:
     """The report's last section: the answer to "how many GPUs can I use, with which recipe?"."""
     ref, split, tol = answer["reference"], answer["split"], answer["tolerance"]
+    metric = metric_named(answer["metric"], "metric")
+    m, show, within = metric.name, metric.show, metric.units(tol)
     lines = ["", "## How many GPUs?", ""]
     if ref is None:
         return lines + ["No run finished: no answer."]
-    lines += [f"Within **{tol:g} point{'s' if tol != 1 else ''}** of {ref['recipe']} at the smallest global batch "
-              f"({ref['global_batch']:,}: final {split} acc {100 * ref['acc']:.2f}%), judged on {split} "
-              f"(`lbt report DIR --tolerance POINTS` to change it):", "",
-              f"| recipe | largest global batch within | GPUs (world size) | final {split} acc (mean ± std, seeds) | "
-              "test acc | next batch tried: acc |", "|---|---:|---:|---:|---:|---|"]
+    lines += [f"Within **{within}** of {ref['recipe']} at the smallest global batch "
+              f"({ref['global_batch']:,}: final {split} {m} {show(ref[m])}{metric.suffix}), judged on {split} "
+              f"(`lbt report DIR --tolerance {metric.unit.upper()}S` to change it):", "",
+              f"| recipe | largest global batch within | GPUs (world size) | final {split} {m} (mean ± std, seeds) | "
+              f"test {m} | next batch tried: {m} |", "|---|---:|---:|---:|---:|---|"]
     for r in answer["recipes"]:
         if r["global_batch"] is None:
-            lines.append(f"| {r['recipe']} | none | - | - | - | every batch tried is more than {tol:g} points below |")
+            lines.append(f"| {r['recipe']} | none | - | - | - | every batch tried is more than {within} worse |")
             continue
-        spread = f" ± {100 * r['acc_std']:.2f}" if r["seeds"] and r["seeds"] > 1 else ""
-        nxt = (f"{r['next_batch']:,}: {100 * r['next_acc']:.2f}%" if r["next_batch"] and r["next_acc"] is not None
+        spread = f" ± {show(r[f'{m}_std'])}" if r["seeds"] and r["seeds"] > 1 else ""
+        nxt = (f"{r['next_batch']:,}: {show(r[f'next_{m}'])}{metric.suffix}"
+               if r["next_batch"] and r[f"next_{m}"] is not None
                else "none larger tried" if r["global_batch"] == r["largest_batch_run"] else "diverged")
-        lines.append(f"| {r['recipe']} | {r['global_batch']:,} | {r['world_size']} | {100 * r['acc']:.2f}{spread} "
-                     f"({r['seeds']}) | {_fmt(r['test_acc'] and 100 * r['test_acc'], '.2f')} | {nxt} |")
+        lines.append(f"| {r['recipe']} | {r['global_batch']:,} | {r['world_size']} | {show(r[m])}{spread} "
+                     f"({r['seeds']}) | {show(r[f'test_{m}'])} | {nxt} |")
     best = answer["best"]
     if best:
         lines += ["", f"**Answer: up to {best['world_size']} GPUs (global batch {best['global_batch']:,}) with "
-                      f"{best['recipe']}**, within {tol:g} point{'s' if tol != 1 else ''} of the smallest batch on "
-                      f"{split}; past that, accuracy (or the run) is lost. Whether those GPUs also pay in time is "
-                      "`lbt plan`'s question (time per epoch vs GPU count)."]
+                      f"{best['recipe']}**, within {within} of the smallest batch on "
+                      f"{split}; past that, {metric.label} is more than {within} worse (or the run is lost). "
+                      "Whether those GPUs also pay in time is `lbt plan`'s question (time per epoch vs GPU count)."]
     tta = answer.get("time_to_accuracy")
     if tta:
         lines += ["", f"Time to accuracy on {tta['network']} (steps to the target, measured, x lbt plan's step time "
@@ -281,19 +324,19 @@ def _is_baseline(recipe: str) -> bool:
     return recipe.split(" (")[0] == "baseline"
 
 
-def _crossings(jobs: list[dict], series: str, target: float | None) -> dict[int, list[float]]:
+def _crossings(jobs: list[dict], series: str, target: float | None, metric: Metric) -> dict[int, list[float]]:
     """Each trained job's interpolated steps to `target`, by global batch, for one series."""
     points: dict[int, list[float]] = {}
     for job in jobs:
         if job.get("series") != series or "error" in job or job.get("diverged") or target is None:
             continue
-        step = crossing_step(_on(job, "{}_history") or [], target)
+        step = crossing_step(_on(job, "{}_history") or [], target, metric=metric)
         if step is not None and step > 0:
             points.setdefault(int(job["global_batch"]), []).append(step)
     return points
 
 
-def critical_batch(jobs: list[dict], rows: list[Row], target: float | None) -> dict:
+def critical_batch(jobs: list[dict], rows: list[Row], target: float | None, metric: Metric = ACC) -> dict:
     """The critical batch two ways, on one series: the baseline, unless fewer than 3 of its batches
     reach the target, then the series with the most batches that do (the report names it).
 
@@ -303,7 +346,7 @@ def critical_batch(jobs: list[dict], rows: list[Row], target: float | None) -> d
     B_simple summarised over the last GNS_WINDOW of training.
     """
     names = sorted({r.recipe for r in rows}, key=lambda name: (not _is_baseline(name), name))
-    reached = {name: _crossings(jobs, name, target) for name in names}
+    reached = {name: _crossings(jobs, name, target, metric) for name in names}
     series = names[0] if names else None
     if series is not None and len(reached[series]) < 3:
         series = max(names, key=lambda name: len(reached[name]))  # the first of equals: the baseline
@@ -332,7 +375,8 @@ def _fmt(value, spec: str = ".4f", std=None) -> str:
     return text + (f" ± {format(std, spec)}" if std else "")
 
 
-def markdown(rows: list[Row], target: float | None, crit: dict, jobs: list[dict], answer: dict | None = None) -> str:
+def markdown(rows: list[Row], target: float | None, crit: dict, jobs: list[dict], answer: dict | None = None,
+             metric: Metric = ACC) -> str:
     split = "val" if any(r.split == "val" for r in rows) else "test"
     lines = ["# lbt study report", ""]
     if split == "val":
@@ -342,10 +386,14 @@ def markdown(rows: list[Row], target: float | None, crit: dict, jobs: list[dict]
         lines.append("Splits: **no validation split** (data.val_fraction=0): the runs evaluated the **test** split "
                      "during training, so every number below is a test number and says so. Hold out a validation "
                      "split to select on val.")
-    target_text = f"{100 * target:.2f}%" if target is not None else "-"
-    lines.append(f"Steps to target: interpolated step at which {split} accuracy first reached {target_text} (the base "
-                 f"batch's final {split} accuracy minus {100 * TARGET_MARGIN:g} point unless --target is given). Gap: "
-                 "test accuracy minus the baseline's at the smallest global batch, in points.")
+    target_text = f"{metric.show(target)}{metric.suffix}" if target is not None else "-"
+    lines.append(f"Steps to target: interpolated step at which {split} {metric.label} first reached {target_text} (the "
+                 f"base batch's final {split} {metric.label}, {metric.units(metric.target_margin)} worse, unless "
+                 f"--target is given). Gap: test {metric.label} minus the baseline's at the smallest global batch, in "
+                 f"{metric.unit}s.")
+    # The loss columns for a loss-judged study or a language model, whose loss reads as bits per char.
+    text = any(r.bits_per_char is not None for r in rows)
+    losses = metric.name == "loss" or text
     lines += ["", "## Critical batch", ""]
     if crit["fit"]:
         low, high = crit["fit_interval"]
@@ -362,22 +410,31 @@ def markdown(rows: list[Row], target: float | None, crit: dict, jobs: list[dict]
     if crit["ratio"]:
         lines.append(f"- Ratio fit / gns: {crit['ratio']:.2f}")
     for recipe in sorted({r.recipe for r in rows}):
+        header = ([f"final {split} acc", f"best {split} acc", "test acc"]
+                  + [f"final {split} loss", f"best {split} loss", "test loss"] * losses
+                  + [f"{split} bits/char", "test bits/char"] * text
+                  + [f"gap ({metric.unit}s)", "steps", f"steps to target ({split} {metric.name})",
+                     f"B_simple (last {100 * GNS_WINDOW:g}%)", "samples/s"])
         lines += ["", f"## {recipe}", "",
-                  f"| global batch | world size | seeds | final {split} acc | best {split} acc | test acc | gap (pts) | "
-                  f"steps | steps to target ({split}) | B_simple (last {100 * GNS_WINDOW:g}%) | samples/s | diverged |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "| global batch | world size | seeds | " + " | ".join(header) + " | diverged |",
+                  "|---:|---:|---:|" + "---:|" * len(header) + "---|"]
         for r in sorted((r for r in rows if r.recipe == recipe), key=lambda r: r.global_batch):
             status = ", ".join(
                 [f"diverged {r.diverged}/{r.seeds}"] * bool(r.diverged) + [f"error {r.errors}/{r.seeds}"] * bool(r.errors)
             ) or "no"
             mine = r.split == split  # a row evaluated on another split leaves the split-named columns empty
-            lines.append(
-                f"| {r.global_batch:,} | {r.world_size} | {r.seeds} | "
-                f"{_fmt(r.final_acc if mine else None, '.4f', r.final_acc_std)} | {_fmt(r.best_acc if mine else None)} | "
-                f"{_fmt(r.test_acc, '.4f', r.test_acc_std)} | {_fmt(r.gap, '+.2f')} | {_fmt(r.steps, '.0f')} | "
-                f"{_fmt(r.steps_to_target if mine else None, '.0f', r.steps_to_target_std)} | "
-                f"{_fmt(r.b_simple, ',.0f')} | {_fmt(r.samples_per_sec, ',.0f')} | {status} |"
-            )
+            cells = [f"{r.global_batch:,}", str(r.world_size), str(r.seeds),
+                     _fmt(r.final_acc if mine else None, ".4f", r.final_acc_std), _fmt(r.best_acc if mine else None),
+                     _fmt(r.test_acc, ".4f", r.test_acc_std)]
+            if losses:
+                cells += [_fmt(r.final_loss if mine else None, ".4f", r.final_loss_std),
+                          _fmt(r.best_loss if mine else None), _fmt(r.test_loss, ".4f", r.test_loss_std)]
+            if text:
+                cells += [_fmt(r.bits_per_char if mine else None), _fmt(r.test_bits_per_char)]
+            cells += [_fmt(r.gap, metric.gap_spec), _fmt(r.steps, ".0f"),
+                      _fmt(r.steps_to_target if mine else None, ".0f", r.steps_to_target_std),
+                      _fmt(r.b_simple, ",.0f"), _fmt(r.samples_per_sec, ",.0f"), status]
+            lines.append("| " + " | ".join(cells) + " |")
     failed = [j for j in jobs if "error" in j]
     if failed:
         lines += ["", "## Failed jobs", ""]
@@ -405,26 +462,28 @@ def _pyplot():
     return plt
 
 
-def plot_accuracy(rows: list[Row], crit: dict, path: Path) -> None:
-    """Test accuracy (scored once per run) vs global batch, one line per recipe."""
+def plot_accuracy(rows: list[Row], crit: dict, path: Path, metric: Metric = ACC) -> None:
+    """Test accuracy (or loss: `metric`), scored once per run, vs global batch, one line per recipe."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for recipe in sorted({r.recipe for r in rows}):
         points = sorted((r for r in rows if r.recipe == recipe), key=lambda r: r.global_batch)
-        good = [r for r in points if r.test_acc is not None]
-        line = ax.errorbar([r.global_batch for r in good], [100 * r.test_acc for r in good],
-                           yerr=[100 * (r.test_acc_std or 0) for r in good], marker="o", capsize=3, label=recipe)
+        good = [r for r in points if r.test(metric) is not None]
+        line = ax.errorbar([r.global_batch for r in good], [metric.scale * r.test(metric) for r in good],
+                           yerr=[metric.scale * (getattr(r, f"test_{metric.name}_std") or 0) for r in good],
+                           marker="o", capsize=3, label=recipe)
         bad = [r for r in points if r.diverged or r.errors]
-        if bad:
-            floor = min([100 * r.test_acc for r in good], default=10.0)
+        if bad:  # drawn at the worst value shown
+            worst = [metric.scale * r.test(metric) for r in good]
+            floor = min(worst, key=metric.score, default=10.0)
             ax.scatter([r.global_batch for r in bad], [floor] * len(bad), marker="x", s=80,
                        color=line[0].get_color(), label=f"{recipe}: diverged/failed")
     for value, style, name in ((crit["fit"], "--", "steps-to-target fit"), (crit["gns"], ":", "GNS")):
         if value:
             ax.axvline(value, color="gray", linestyle=style, label=f"critical batch ≈ {value:,.0f} ({name})")
     _batch_axis(ax)
-    ax.set_ylabel("test accuracy (%), scored once per run")
-    ax.set_title("Accuracy vs global batch (same epoch budget)")
+    ax.set_ylabel(f"test {metric.label}{f' ({metric.suffix})' if metric.suffix else ''}, scored once per run")
+    ax.set_title(f"{metric.label.capitalize()} vs global batch (same epoch budget)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -432,7 +491,8 @@ def plot_accuracy(rows: list[Row], crit: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_steps(rows: list[Row], jobs: list[dict], target: float | None, crit: dict, path: Path) -> None:
+def plot_steps(rows: list[Row], jobs: list[dict], target: float | None, crit: dict, path: Path,
+               metric: Metric = ACC) -> None:
     """Steps to target vs global batch per recipe, with the fitted S = S_min (1 + B_noise / B)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -450,7 +510,8 @@ def plot_steps(rows: list[Row], jobs: list[dict], target: float | None, crit: di
     _batch_axis(ax)
     ax.set_yscale("log")
     split = "val" if any(r.split == "val" for r in rows) else "test"
-    ax.set_ylabel(f"steps to {100 * target:.1f}% {split} accuracy" if target is not None else "steps to target")
+    ax.set_ylabel(f"steps to {split} {metric.label} {metric.show(target)}{metric.suffix}" if target is not None
+                  else "steps to target")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -490,6 +551,10 @@ def write_tensorboard(rows: list[Row], jobs: list[dict], path: Path) -> None:
             writer.add_scalar(f"study/{row.recipe}/val_acc", row.final_acc, row.global_batch)
         if row.test_acc is not None:
             writer.add_scalar(f"study/{row.recipe}/test_acc", row.test_acc, row.global_batch)
+        if math.isfinite(row.final_loss) and row.split == "val":
+            writer.add_scalar(f"study/{row.recipe}/val_loss", row.final_loss, row.global_batch)
+        if row.test_loss is not None:
+            writer.add_scalar(f"study/{row.recipe}/test_loss", row.test_loss, row.global_batch)
         if row.steps_to_target:
             writer.add_scalar(f"study/{row.recipe}/steps_to_target_{row.split}", row.steps_to_target, row.global_batch)
     for i, job in enumerate(jobs):
@@ -508,28 +573,36 @@ def write_tensorboard(rows: list[Row], jobs: list[dict], path: Path) -> None:
     writer.close()
 
 
-def write_report(study_dir: str | Path, target: float | None = None, tolerance: float = DEFAULT_TOLERANCE,
-                 network: str | None = None, step_ms: float | None = None) -> dict:
-    study_dir = Path(study_dir)
+def write_report(study_dir: str | Path, target: float | None = None, tolerance: float | None = None,
+                 network: str | None = None, step_ms: float | None = None, metric: str = "acc") -> dict:
+    """The report of a study folder, judged on `metric` ("acc", higher is better, or "loss", lower is
+    better): the target, steps to it, and "how many GPUs" within `tolerance` (the metric's units,
+    default its default_tolerance)."""
+    study_dir, judge = Path(study_dir), metric_named(metric, "--metric")
     jobs = load_jobs(study_dir)
     if not jobs:
         raise ConfigError(f"no result.json found under {study_dir}: is it a study (multirun) folder?")
-    target = default_target(jobs) if target is None else target
-    rows = aggregate(jobs, target)
-    crit = critical_batch(jobs, rows, target)
-    answer = gpu_answer(rows, tolerance)
+    target = default_target(jobs, judge) if target is None else target
+    tolerance = judge.default_tolerance if tolerance is None else tolerance
+    rows = aggregate(jobs, target, judge)
+    crit = critical_batch(jobs, rows, target, judge)
+    answer = gpu_answer(rows, tolerance, judge)
     if network is not None:
         answer["time_to_accuracy"] = time_to_accuracy(rows, answer, jobs, study_dir, network, step_ms)
-    (study_dir / "report.md").write_text(markdown(rows, target, crit, jobs, answer))
-    plot_accuracy(rows, crit, study_dir / "accuracy_vs_batch.png")
-    plot_steps(rows, jobs, target, crit, study_dir / "steps_to_target.png")
+    curves = f"{judge.label}_vs_batch.png"
+    (study_dir / "report.md").write_text(markdown(rows, target, crit, jobs, answer, judge))
+    plot_accuracy(rows, crit, study_dir / curves, judge)
+    plot_steps(rows, jobs, target, crit, study_dir / "steps_to_target.png", judge)
     plot_gns(jobs, crit, study_dir / "gns_over_training.png")
     write_tensorboard(rows, jobs, study_dir / SUMMARY_DIR)
     named = ("job_dir", "series", "recipe", "world_size", "global_batch", "per_worker_batch", "seed", "eval_split",
-             "final_val_acc", "best_val_acc", "final_test_acc", "best_test_acc", "test_acc", "steps",
+             "final_val_acc", "best_val_acc", "final_test_acc", "best_test_acc", "test_acc", "final_val_loss",
+             "final_test_loss", "test_loss", "final_val_bits_per_char", "test_bits_per_char", "steps",
              "samples_per_sec", "diverged", "error")
     summary = {
-        "target_acc": target,
+        "metric": judge.name,
+        f"target_{judge.name}": target,
+        "files": ["report.md", curves, "steps_to_target.png", "gns_over_training.png", "summary.json", SUMMARY_DIR],
         "gpu_answer": answer,
         "critical_batch": crit,
         "rows": [asdict(r) for r in rows],

@@ -33,6 +33,7 @@ from lbt.errors import ConfigError
 from lbt.validate import integer
 from lbt.metrics.tensorboard import RunLogger
 from lbt.metrics.text_log import say, text_log
+from lbt.objective import bits
 from lbt.paths import atomic_write
 from lbt.techniques import Technique, sort_techniques
 from lbt.trainer import LoopSettings, Result, Trainer
@@ -156,7 +157,7 @@ def check_model_takes(model: torch.nn.Module, data: DataSplits) -> None:
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise ConfigError(f"the model cannot read this data's samples (shape {tuple(data.input_shape)}): {first}; "
                           "pick a model for this data (1-D signals: model=cnn1d or mlp; images: resnet20, "
-                          "torchvision)") from None
+                          "torchvision; text (data=text): char_transformer)") from None
     finally:
         model.train(training)
 
@@ -383,6 +384,7 @@ def _finish(config: dict, parts: Parts, result: Result, run_dir: str, logger: Ru
         **result.summary(),
         "test/acc": result.test_acc,
         "test/loss": result.test_loss,
+        **bits_per_token(result, parts.data.token),
         "techniques": [t.describe() for t in parts.techniques],
         "config": config,
     }
@@ -398,11 +400,30 @@ def _finish(config: dict, parts: Parts, result: Result, run_dir: str, logger: Ru
     atomic_write(Path(run_dir) / "final_model.pt", lambda f: torch.save(parts.model.state_dict(), f))
     atomic_write(Path(run_dir) / "result.json",
                  lambda f: f.write(json.dumps(summary, indent=2, allow_nan=True).encode()))
-    state = "DIVERGED" if result.diverged else f"{result.eval_split}_acc={result.final_acc:.4f}"
-    test = f" test_acc={result.test_acc:.4f}" if result.test_acc is not None and result.eval_split != "test" else ""
-    say(f"done: {state}{test} steps={result.steps} samples/s={result.samples_per_sec:,.0f} "
-        f"wall={result.wall_seconds:.1f}s -> {run_dir}/result.json")
+    say(f"done: {closing_scores(result, parts.data.token)} steps={result.steps} "
+        f"samples/s={result.samples_per_sec:,.0f} wall={result.wall_seconds:.1f}s -> {run_dir}/result.json")
     return summary
+
+
+def bits_per_token(result: Result, token: str | None) -> dict:
+    """A language model's loss in bits per token (final_val_bits_per_char, test_bits_per_char); {} for
+    classification data, whose loss is per sample."""
+    if token is None:
+        return {}
+    split, key = result.eval_split, f"bits_per_{token}"
+    return {f"final_{split}_{key}": bits(result.final_loss),
+            **({f"test_{key}": bits(result.test_loss)} if result.test_loss is not None else {})}
+
+
+def closing_scores(result: Result, token: str | None) -> str:
+    """`val_acc=0.9512 test_acc=0.9488`; a language model's bits per token beside each accuracy."""
+    if result.diverged:
+        return "DIVERGED"
+    scores = [(result.eval_split, result.final_acc, result.final_loss)]
+    if result.test_acc is not None and result.eval_split != "test":
+        scores.append(("test", result.test_acc, result.test_loss))
+    return " ".join(f"{split}_acc={acc:.4f}" + (f" {split}_bits_per_{token}={bits(loss):.4f}" if token else "")
+                    for split, acc, loss in scores)
 
 
 @contextmanager

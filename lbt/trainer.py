@@ -40,6 +40,7 @@ from lbt.metrics.tensorboard import RunLogger
 from lbt.metrics.text_log import say
 from lbt.metrics.window import TrainWindow
 from lbt.metrics.timing import StepTimer
+from lbt.objective import ACC, LOSS
 from lbt.techniques.base import Progress, Technique
 
 
@@ -63,6 +64,7 @@ class Result:
     final_acc: float = float("nan")  # on eval_split
     best_acc: float = float("nan")
     final_loss: float = float("nan")
+    best_loss: float = float("nan")
     final_train_loss: float = float("nan")
     test_acc: float | None = None  # the test split, once, at the end
     test_loss: float | None = None
@@ -91,7 +93,7 @@ class Result:
         """result.json's fields, each named after the split it was measured on: a val-named
         field never holds test data (final_val_acc, val_history; final_test_acc, test_history)."""
         values, split = self.to_dict(), self.eval_split
-        for key in ("final_acc", "best_acc", "final_loss"):
+        for key in ("final_acc", "best_acc", "final_loss", "best_loss"):
             values[key.replace("_", f"_{split}_", 1)] = values.pop(key)
         values[f"{split}_history"] = values.pop("history")
         return values
@@ -317,7 +319,7 @@ class Trainer:
         result.history.append(point)
         self.log.scalars({f"{split}/loss": point.loss, f"{split}/acc": point.acc}, s.step, s.samples_seen)
         for technique in self.techniques:
-            technique.after_eval(point.step, point.samples_seen, point.acc)
+            technique.after_eval(point.step, point.samples_seen, point.acc, point.loss)
         return point
 
     def finish(self, started: float) -> None:
@@ -328,7 +330,8 @@ class Trainer:
         elif self.data.test is not None and not result.diverged:
             result.test_loss, result.test_acc = self.evaluate(self.data.test)
             self.log.scalars({"test/loss": result.test_loss, "test/acc": result.test_acc}, s.step, s.samples_seen)
-        result.best_acc = max((p.acc for p in result.history), default=float("nan"))
+        result.best_acc = ACC.best(p.acc for p in result.history)
+        result.best_loss = LOSS.best(p.loss for p in result.history)
         result.steps, result.samples_seen = s.step, s.samples_seen
         result.wall_seconds = time.perf_counter() - started
         result.samples_per_sec = s.samples_seen / max(result.train_seconds, 1e-9)

@@ -8,8 +8,9 @@ Check"). `lbt tune` runs one protocol for every cell of a grid:
         until tune.trials trials of the cell finished or were pruned:
             values = TPE(seeded).sample(the recipe's tune.space)     # recipes/*.yaml
             result = lbt.train.run(config + values)                 # in this process, as `lbt train`
-                after each evaluation: val acc -> the trial; the pruner may stop it (PruneOnVal)
-            value  = final_val_acc, or 0 if the run diverged (it spent the budget all the same)
+                after each evaluation: val acc (or loss) -> the trial; the pruner may stop it (PruneOnVal)
+            value  = final_val_acc, or 0 if the run diverged (it spent the budget all the same);
+                     with tune.metric=loss final_val_loss, minimised, or inf if it diverged
     for cell: the best trial's values, and the recipe's untuned defaults, each trained with
         tune.seeds fresh seeds and scored on val and, once, on test
     tune_report.md, tune_summary.json, best_lr_vs_batch.png
@@ -49,6 +50,7 @@ from lbt.config import plan_batches
 from lbt.errors import ConfigError
 from lbt.lr import scaling_factor
 from lbt.metrics.tensorboard import RunLogger
+from lbt.objective import ACC, Metric, metric_named
 from lbt.paths import atomic_write, conf_dir
 from lbt.techniques.base import Technique
 from lbt.train import check_layout, run
@@ -74,7 +76,8 @@ the same command again continues an interrupted tune.
   lbt tune tune.trials=16 tune.seeds=5 tune.dir=runs/tune/mine model=mlp trainer.epochs=5
 
 tune.* keys: trials, seeds, seed, startup_trials, pruner (median|halving|hyperband|none),
-prune_startup_trials, prune_after, dir, grid. A recipe's search space is its `tune.space` (recipes/*.yaml).
+prune_startup_trials, prune_after, dir, grid, metric (acc: maximise val accuracy; loss: minimise
+val loss). A recipe's search space is its `tune.space` (recipes/*.yaml).
 """
 
 
@@ -95,6 +98,7 @@ class Settings:
     prune_startup_trials: int
     prune_after: float
     dir: Path
+    metric: Metric  # what trials are selected on: final val accuracy (maximised) or loss (minimised)
 
     @classmethod
     def from_config(cls, node: dict) -> Settings:
@@ -107,6 +111,7 @@ class Settings:
             prune_startup_trials=integer("tune.prune_startup_trials", node.get("prune_startup_trials"), 0),
             prune_after=number("tune.prune_after", node.get("prune_after"), 0.0, 1.0),
             dir=Path(str(node.get("dir") or "runs/tune/default")).expanduser().absolute(),
+            metric=metric_named(str(node.get("metric", "acc")), "tune.metric"),
         )
 
 
@@ -338,7 +343,8 @@ def _lookup(config: dict, dotted: str):
 
 # -- trials -------------------------------------------------------------------------------------
 class PruneOnVal(Technique):
-    """Hands each evaluation of the val split to an Optuna trial and stops the run when its pruner says so.
+    """Hands each evaluation of the val split (its `metric`) to an Optuna trial and stops the run when its
+    pruner says so.
 
     Pruning is asked only past `prune_after` of the run's samples (a long warmup trails early; None:
     never, the trial only reports) and never at the last evaluation (the run is done: its final
@@ -348,23 +354,24 @@ class PruneOnVal(Technique):
     name = "tune_pruning"
     order = 99  # after every technique that changes the run's plans (batch ramp: 5)
 
-    def __init__(self, trial, prune_after: float | None):
-        self.trial, self.prune_after = trial, prune_after
+    def __init__(self, trial, prune_after: float | None, metric: Metric = ACC):
+        self.trial, self.prune_after, self.metric = trial, prune_after, metric
         self.total_samples, self.pruned_at = 0, None
 
     def plan_epochs(self, plans, num_train):
         self.total_samples = sum((num_train // p.global_batch) * p.global_batch for p in plans)
         return plans
 
-    def after_eval(self, step: int, samples_seen: int, acc: float) -> None:
+    def after_eval(self, step: int, samples_seen: int, acc: float, loss: float = math.nan) -> None:
         import optuna
 
-        self.trial.report(acc, samples_seen)
+        value = {"acc": acc, "loss": loss}[self.metric.name]
+        self.trial.report(value, samples_seen)
         if self.prune_after is None or not self.prune_after * self.total_samples <= samples_seen < self.total_samples:
             return
         if self.trial.should_prune():
             self.pruned_at = samples_seen
-            raise optuna.TrialPruned(f"val acc {acc:.4f} at {samples_seen:,} samples")
+            raise optuna.TrialPruned(f"val {self.metric.name} {value:.4f} at {samples_seen:,} samples")
 
 
 def open_study(optuna, storage, plan: Plan, cell: Cell):
@@ -374,8 +381,12 @@ def open_study(optuna, storage, plan: Plan, cell: Cell):
                "halving": lambda: optuna.pruners.SuccessiveHalvingPruner(),
                "hyperband": lambda: optuna.pruners.HyperbandPruner(),
                "none": lambda: optuna.pruners.NopPruner()}
-    study = optuna.create_study(storage=storage, study_name=cell.name, direction="maximize",
+    direction = s.metric.direction
+    study = optuna.create_study(storage=storage, study_name=cell.name, direction=direction,
                                 pruner=pruners[s.pruner](), load_if_exists=True)
+    if study.direction.name.lower() != direction:  # a loaded study keeps the direction it was created with
+        raise ConfigError(f"{s.dir} holds trials of cell {cell.name!r} that {study.direction.name.lower()}d their "
+                          f"value, and tune.metric={s.metric.name} {direction}s it; pick another tune.dir")
     identity = {"overrides": sorted(identity_overrides(plan)), "space": cell.space}
     if not study.user_attrs:
         for key, value in identity.items():
@@ -416,7 +427,8 @@ def tune_cell(optuna, plan: Plan, cell: Cell, study, new_runs: dict) -> None:
 
 
 def run_trial(optuna, study, plan: Plan, cell: Cell, done: int, armed: bool) -> None:
-    """One trial: sample the space, train, tell Optuna the final val accuracy (or pruned, or 0 if diverged).
+    """One trial: sample the space, train, tell Optuna the final val accuracy or loss (tune.metric; or pruned,
+    or the metric's worst value if diverged).
 
     `armed`: the cell has prune_startup_trials finished trials, so the pruner has something to compare with.
     """
@@ -424,7 +436,8 @@ def run_trial(optuna, study, plan: Plan, cell: Cell, done: int, armed: bool) -> 
     params = {key: _suggest(trial, key, spec) for key, spec in cell.space.items()}
     values = [f"{key}={_hydra_value(value)}" for key, value in params.items()]
     run_dir = plan.settings.dir / "trials" / cell.folder / str(trial.number)
-    hook = PruneOnVal(trial, plan.settings.prune_after if armed else None)
+    metric = plan.settings.metric
+    hook = PruneOnVal(trial, plan.settings.prune_after if armed else None, metric)
     started = time.perf_counter()
     shown = " ".join(f"{k}={_short(v)}" for k, v in params.items())
     head = f"[{cell.name}] trial {trial.number} ({done + 1}/{plan.settings.trials})"
@@ -444,14 +457,14 @@ def run_trial(optuna, study, plan: Plan, cell: Cell, done: int, armed: bool) -> 
     if result.get("stopped"):
         study.tell(trial, state=optuna.trial.TrialState.FAIL)
         raise Stopped
-    value = result.get("final_val_acc")
+    value = result.get(f"final_val_{metric.name}")
     diverged = bool(result.get("diverged")) or value is None or not math.isfinite(value)
     for key in ("global_batch", "base_lr", "peak_lr"):
         trial.set_user_attr(key, result.get(key))
     trial.set_user_attr("diverged", diverged)
-    # A diverged trial spent the budget like any other: it counts, with the worst accuracy.
-    study.tell(trial, 0.0 if diverged else value)
-    state = "diverged, counted as val_acc=0" if diverged else f"val_acc={value:.4f}"
+    # A diverged trial spent the budget like any other: it counts, with the worst value (accuracy 0, loss inf).
+    study.tell(trial, metric.worst if diverged else value)
+    state = f"diverged, counted as val_{metric.name}={metric.worst:g}" if diverged else f"val_{metric.name}={value:.4f}"
     print(f"{head}: {state} {shown} ({time.perf_counter() - started:.0f} s)", flush=True)
 
 
@@ -510,8 +523,9 @@ def finish_cell(optuna, plan: Plan, cell: Cell, study, new_runs: dict) -> dict:
     trials = study.get_trials(deepcopy=False)
     counted = [t for t in trials if t.state in (states.COMPLETE, states.PRUNED)]
     complete = [t for t in counted if t.state == states.COMPLETE]
+    metric = plan.settings.metric
     summary = {
-        "cell": cell.name, "axes": cell.axes, "recipe": cell.recipe, "series": cell.series,
+        "cell": cell.name, "axes": cell.axes, "recipe": cell.recipe, "series": cell.series, "metric": metric.name,
         "world_size": cell.config["dist"]["world_size"], "global_batch": cell.global_batch,
         "scaling": cell.config["schedule"]["scaling"], "base_batch": cell.config["schedule"]["base_batch"],
         "space": cell.space,
@@ -524,13 +538,14 @@ def finish_cell(optuna, plan: Plan, cell: Cell, study, new_runs: dict) -> dict:
     first_seed = int(cell.config["trainer"]["seed"])
     seeds = [first_seed + k for k in range(1, plan.settings.seeds + 1)]
     if complete:
-        best = max(complete, key=lambda t: (t.value, -t.number))
-        summary["best"] = {"trial": best.number, "val_acc": best.value, "params": dict(best.params),
+        best = max(complete, key=lambda t: (metric.score(t.value), -t.number))
+        summary["best"] = {"trial": best.number, f"val_{metric.name}": best.value, "params": dict(best.params),
                            "diverged": bool(best.user_attrs.get("diverged")),
                            "base_lr": best.user_attrs.get("base_lr"), "peak_lr": best.user_attrs.get("peak_lr")}
         shown = " ".join(f"{k}={_short(v)}" for k, v in best.params.items())
         print(f"[{cell.name}] best of {len(counted)} trials ({summary['trials']['pruned']} pruned, "
-              f"{summary['trials']['diverged']} diverged): trial {best.number} val_acc={best.value:.4f} {shown}",
+              f"{summary['trials']['diverged']} diverged): trial {best.number} val_{metric.name}={best.value:.4f} "
+              f"{shown}",
               flush=True)
         summary["tuned"] = final_runs(plan, cell, "tuned", dict(best.params), seeds, new_runs)
     else:
@@ -544,14 +559,16 @@ def finish_cell(optuna, plan: Plan, cell: Cell, study, new_runs: dict) -> dict:
 
 
 def earlier_cells(plan: Plan, cells: list[dict]) -> list[dict]:
-    """Finished cells in tune.dir that this command did not name, tuned with the same overrides."""
+    """Finished cells in tune.dir that this command did not name, tuned with the same overrides and metric."""
     names, found = {c["cell"] for c in cells}, []
     for path in sorted((plan.settings.dir / "cells").glob("*.json")):
         try:
             cell = json.loads(path.read_text())
         except (OSError, ValueError):
             continue  # being written by another process, or not ours
-        if cell.get("cell") not in names and cell.get("overrides") == sorted(identity_overrides(plan)):
+        same = cell.get("overrides") == sorted(identity_overrides(plan)) \
+            and cell.get("metric", "acc") == plan.settings.metric.name
+        if cell.get("cell") not in names and same:
             found.append(cell)
     return found
 
@@ -580,15 +597,16 @@ def final_runs(plan: Plan, cell: Cell, kind: str, params: dict, seeds: list[int]
             if result.get("stopped"):
                 raise Stopped
             new_runs["finals"] += 1
+            m = plan.settings.metric.name
             state = "diverged" if result.get("diverged") else (
-                f"val_acc={result.get('final_val_acc', float('nan')):.4f} "
-                f"test_acc={_fmt(result.get('test_acc'))}")
+                f"val_{m}={result.get(f'final_val_{m}', float('nan')):.4f} test_{m}={_fmt(result.get(f'test_{m}'))}")
             print(f"[{cell.name}] {kind} seed {seed}: {state} ({time.perf_counter() - started:.0f} s)", flush=True)
         results.append(result)
-    # A diverged run has no accuracy to average (its last evaluation came before the blow-up).
-    val = [None if r.get("diverged") else r.get("final_val_acc") for r in results]
-    test = [None if r.get("diverged") else r.get("test_acc") for r in results]
-    return {"seeds": seeds, "val_acc": val, "test_acc": test, "val_mean_std": mean_std(val),
+    # A diverged run has no value to average (its last evaluation came before the blow-up).
+    m = plan.settings.metric.name
+    val = [None if r.get("diverged") else r.get(f"final_val_{m}") for r in results]
+    test = [None if r.get("diverged") else r.get(f"test_{m}") for r in results]
+    return {"seeds": seeds, f"val_{m}": val, f"test_{m}": test, "val_mean_std": mean_std(val),
             "test_mean_std": mean_std(test), "diverged": sum(bool(r.get("diverged")) for r in results),
             "base_lr": results[0].get("base_lr"), "peak_lr": results[0].get("peak_lr"),
             "folders": [str(plan.settings.dir / "final" / kind / cell.folder / f"seed_{s}") for s in seeds]}
@@ -642,21 +660,24 @@ def summarize(plan: Plan, cells: list[dict]) -> dict:
         fits.append(fit)
     s = plan.settings
     return {
-        "gaps": gaps_to_base(cells),
+        "gaps": gaps_to_base(cells, s.metric),
         "tune_dir": str(s.dir), "storage": f"sqlite:///{s.dir / 'optuna.db'}",
         "settings": {"trials": s.trials, "seeds": s.seeds, "seed": s.seed, "startup_trials": s.startup_trials,
                      "pruner": s.pruner, "prune_startup_trials": s.prune_startup_trials,
-                     "prune_after": s.prune_after, "sampler": "multivariate TPE", "selected_on": "final_val_acc"},
+                     "prune_after": s.prune_after, "sampler": "multivariate TPE", "metric": s.metric.name,
+                     "selected_on": f"final_val_{s.metric.name}"},
         "overrides": plan.fixed, "cells": cells, "lr_fits": fits,
     }
 
 
-def gaps_to_base(cells: list[dict]) -> dict:
-    """Test accuracy lost at each batch against the tuned smallest batch, per curve and for the best curve.
+def gaps_to_base(cells: list[dict], metric: Metric = ACC) -> dict:
+    """Test accuracy (or loss: `metric`) lost at each batch against the tuned smallest batch, per curve and
+    for the best curve.
 
     The reference is the smallest global batch's tuned run (the curve with the best tuned val mean, if
     several reach that batch); at each larger batch the best curve is chosen on val too, and only its
-    test accuracy is compared: test decides nothing. Points are percentage points of test accuracy.
+    test value is compared: test decides nothing. Gaps are in the metric's units (percentage points of
+    test accuracy, nats of test loss); positive: lost.
     """
     def mean(c: dict, split: str) -> float | None:
         pair = (c.get("tuned") or {}).get(f"{split}_mean_std")
@@ -666,17 +687,21 @@ def gaps_to_base(cells: list[dict]) -> dict:
     if not scored:
         return {"reference": None, "batches": []}
     smallest = min(c["global_batch"] for c in scored)
-    reference = max((c for c in scored if c["global_batch"] == smallest), key=lambda c: mean(c, "val"))
+    def on_val(c: dict) -> float:
+        return metric.score(mean(c, "val"))
+
+    reference = max((c for c in scored if c["global_batch"] == smallest), key=on_val)
     ref_test = mean(reference, "test")
-    gaps = {"reference": {"cell": reference["cell"], "series": reference["series"], "global_batch": smallest,
-                          "test_acc": ref_test}, "batches": []}
+    gaps = {"metric": metric.name, "reference": {"cell": reference["cell"], "series": reference["series"],
+                                                 "global_batch": smallest, f"test_{metric.name}": ref_test},
+            "batches": []}
     for batch in sorted({c["global_batch"] for c in scored if c["global_batch"] > smallest}):
         here = [c for c in scored if c["global_batch"] == batch]
-        best = max(here, key=lambda c: mean(c, "val"))
+        best = max(here, key=on_val)
         ratio = batch / smallest
         row = {"global_batch": batch, "ratio": ratio, "best_series": best["series"],
-               "best_gap": 100 * (ref_test - mean(best, "test")),
-               "per_series": {c["series"]: 100 * (ref_test - mean(c, "test")) for c in here}}
+               "best_gap": metric.gap(mean(best, "test"), ref_test),
+               "per_series": {c["series"]: metric.gap(mean(c, "test"), ref_test) for c in here}}
         gaps["batches"].append(row)
         gaps[f"best_gap_{ratio:g}x"] = row["best_gap"]
     return gaps
@@ -692,6 +717,8 @@ def _fmt_ms(pair: list[float] | None) -> str:
 
 def markdown(summary: dict) -> str:
     s, cells = summary["settings"], summary["cells"]
+    metric = metric_named(s.get("metric", "acc"), "tune.metric")
+    m, label = metric.name, metric.label
     pruning = ("no pruning" if s["pruner"] == "none" else
                f"{s['pruner']} pruning past {100 * s['prune_after']:g}% of a trial's samples, once "
                f"{s['prune_startup_trials']} trials of the cell finished")
@@ -700,10 +727,11 @@ def markdown(summary: dict) -> str:
         f"# Tuning report: {summary['tune_dir']}", "",
         f"Every cell got the same budget: **{s['trials']} trials** of {s['sampler']} (seed {s['seed']}, the first "
         f"{s['startup_trials']} random) over its recipe's `tune.space`, each a full `lbt train` run selected on its "
-        f"final **val** accuracy; {pruning}; a diverged trial counts, as 0. The best trial's values (**tuned**) and "
+        f"final **val** {label} ({metric.direction}d); {pruning}; a "
+        f"diverged trial counts, as {metric.worst:g}. The best trial's values (**tuned**) and "
         f"the recipe's **untuned** defaults were then trained with seeds {', '.join(map(str, seeds))} (not the "
         "trials' seed) and scored on val and, once, on **test**: the gap between the two is how much of the "
-        "accuracy lost at a batch was mis-tuning.", "",
+        f"{label} lost at a batch was mis-tuning.", "",
         f"Overrides of every run: `{' '.join(summary['overrides']) or '(none)'}`. "
         f"Trials: `optuna-dashboard {summary['storage']}`. The final runs read with `lbt report` too: "
         "`final/` (tuned and untuned side by side), `final/tuned`, `final/default`.", "",
@@ -722,38 +750,40 @@ def markdown(summary: dict) -> str:
                ", ".join(f"{b:,}" for b in fit["batches"]), ", ".join(f"{v:.3g}" for v in fit["peak_lrs"])]
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "![best peak LR vs global batch](best_lr_vs_batch.png)", ""]
-    lines += gap_lines(summary["gaps"], [fit["series"] for fit in summary["lr_fits"]])
+    lines += gap_lines(summary["gaps"], [fit["series"] for fit in summary["lr_fits"]], metric)
     for series in dict.fromkeys(c["series"] for c in cells):
         lines += [f"## {series}", "",
-                  "| global batch | world size | trials (pruned, diverged) | best trial: val acc | tuned val acc | "
-                  "tuned test acc | untuned val acc | untuned test acc | test gained by tuning (pts) | best values | "
-                  "best peak LR |",
+                  f"| global batch | world size | trials (pruned, diverged) | best trial: val {m} | tuned val {m} | "
+                  f"tuned test {m} | untuned val {m} | untuned test {m} | test gained by tuning ({metric.unit}s) | "
+                  "best values | best peak LR |",
                   "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
-        lines += [_cell_row(c) for c in sorted((c for c in cells if c["series"] == series),
-                                                key=lambda c: c["global_batch"])]
+        lines += [_cell_row(c, metric) for c in sorted((c for c in cells if c["series"] == series),
+                                                        key=lambda c: c["global_batch"])]
         lines.append("")
     return "\n".join(lines)
 
 
-def gap_lines(gaps: dict, series: list[str]) -> list[str]:
-    """The table of test points lost against the tuned smallest batch."""
+def gap_lines(gaps: dict, series: list[str], metric: Metric = ACC) -> list[str]:
+    """The table of test points (or nats of loss) lost against the tuned smallest batch."""
     ref = gaps.get("reference")
     if not ref:
         return []
-    lines = ["## Test accuracy lost against the tuned smallest batch", "",
-             f"Reference: {ref['series']} at global batch {ref['global_batch']:,}, tuned, test acc "
-             f"{100 * ref['test_acc']:.2f}%. Points lost on test (mean over the seeds; negative: gained). The best "
-             "recipe at a batch is the one with the best tuned **val** mean there; test only scores it.", "",
-             "| global batch | x | best on val | best: points lost | " + " | ".join(series) + " |",
+    unit, spec = f"{metric.unit}s", metric.gap_spec
+    lines = [f"## Test {metric.label} lost against the tuned smallest batch", "",
+             f"Reference: {ref['series']} at global batch {ref['global_batch']:,}, tuned, test {metric.name} "
+             f"{metric.show(ref[f'test_{metric.name}'])}{metric.suffix}. {unit.capitalize()} lost on test (mean over "
+             "the seeds; negative: gained). The best recipe at a batch is the one with the best tuned **val** mean "
+             "there; test only scores it.", "",
+             f"| global batch | x | best on val | best: {unit} lost | " + " | ".join(series) + " |",
              "| ---: | ---: | --- | ---: |" + " ---: |" * len(series)]
     for row in gaps["batches"]:
-        per = [_fmt(row["per_series"].get(name), "+.2f") for name in series]
+        per = [_fmt(row["per_series"].get(name), spec) for name in series]
         lines.append(f"| {row['global_batch']:,} | {row['ratio']:g} | {row['best_series']} | "
-                     f"{row['best_gap']:+.2f} | " + " | ".join(per) + " |")
+                     f"{format(row['best_gap'], spec)} | " + " | ".join(per) + " |")
     return lines + [""]
 
 
-def _cell_row(c: dict) -> str:
+def _cell_row(c: dict, metric: Metric = ACC) -> str:
     """One row of a recipe's table: the cell's trials, its best trial, tuned and untuned finals over seeds."""
     t, best, tuned, default = c["trials"], c["best"], c.get("tuned"), c["default"]
 
@@ -763,11 +793,11 @@ def _cell_row(c: dict) -> str:
 
     gain = None
     if tuned and tuned["test_mean_std"] and default["test_mean_std"]:
-        gain = 100 * (tuned["test_mean_std"][0] - default["test_mean_std"][0])
+        gain = metric.gap(default["test_mean_std"][0], tuned["test_mean_std"][0])
     cells = [f"{c['global_batch']:,}", str(c["world_size"]), f"{t['counted']} ({t['pruned']}, {t['diverged']})",
-             f"#{best['trial']}: {best['val_acc']:.4f}" if best else "none finished",
+             f"#{best['trial']}: {best[f'val_{metric.name}']:.4f}" if best else "none finished",
              finals(tuned, "val"), finals(tuned, "test"), finals(default, "val"), finals(default, "test"),
-             _fmt(gain, "+.2f"),
+             _fmt(gain, metric.gap_spec),
              ", ".join(f"`{k}={_short(v)}`" for k, v in best["params"].items()) if best else "",
              _fmt(best["peak_lr"], ".4g") if best else "n/a"]
     return "| " + " | ".join(cells) + " |"

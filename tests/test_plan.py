@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from lbt.data import DataShape
 from lbt.plan import (
     NETWORKS,
     Compute,
@@ -217,9 +218,9 @@ def test_models_and_data_come_from_conf():
     assert {"cnn1d", "mlp", "resnet20", "torchvision"} <= set(config_names("model"))
     assert {"mnist1d", "cifar10", "synthetic", "imagefolder"} <= set(config_names("data"))
     # Without loading the data: MNIST-1D's defaults are 60,000 train samples of 40 values; CIFAR-10's folder is absent.
-    assert data_shape({"_target_": "lbt.data.build_mnist1d"}) == ((40,), 10, 60000)
+    assert data_shape({"_target_": "lbt.data.build_mnist1d"}) == DataShape((40,), 10, 60000)
     assert data_shape({"_target_": "lbt.data.build_cifar10", "root": "/nowhere", "val_fraction": 0.1}) == \
-        ((3, 32, 32), 10, 45000)
+        DataShape((3, 32, 32), 10, 45000)
 
 
 def test_data_shape_agrees_with_the_built_data():
@@ -229,7 +230,7 @@ def test_data_shape_agrees_with_the_built_data():
     node = {"_target_": "lbt.data.build_synthetic", "num_train": 300, "input_shape": [3, 8, 8], "num_classes": 7,
             "val_fraction": 0.25}
     built = build_synthetic(**{k: v for k, v in node.items() if k != "_target_"})
-    assert data_shape(node) == (tuple(built.input_shape), built.num_classes, len(built.train))
+    assert data_shape(node) == DataShape(tuple(built.input_shape), built.num_classes, len(built.train))
 
 
 def test_plan_profiles_a_model_on_the_data_it_names(tmp_path, capsys):

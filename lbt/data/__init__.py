@@ -6,6 +6,7 @@ from lbt.data.custom import build_custom
 from lbt.data.imagefolder import build_imagefolder
 from lbt.data.mnist1d import build_mnist1d
 from lbt.data.synthetic import build_synthetic
+from lbt.data.text import build_text
 
 __all__ = [
     "DataShape",
@@ -17,4 +18,5 @@ __all__ = [
     "build_imagefolder",
     "build_mnist1d",
     "build_synthetic",
+    "build_text",
 ]

@@ -38,6 +38,7 @@ class DataShape(NamedTuple):
     input_shape: tuple[int, ...]
     num_classes: int | None  # None: not known without reading the data (an image folder's classes)
     num_train: int | None  # training samples per epoch, after any validation split
+    token: str | None = None  # a language model's inputs and labels are (T,) token ids ("char"), see DataSplits
 
 
 def train_size(n: int, val_fraction: float) -> int:
@@ -60,6 +61,9 @@ class DataSplits:
     test: Dataset | None
     num_classes: int
     input_shape: tuple[int, ...]
+    # What one label is in a language model ("char": data=text); its loss in bits is bits per char.
+    # None: one label per sample (classification).
+    token: str | None = None
 
 
 def split_validation(

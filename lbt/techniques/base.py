@@ -26,8 +26,12 @@ Where each hook fires in a run (lbt/train.py builds, lbt/trainer.py loops):
             optimizer.step()
             at evaluation steps (log-spaced, and each epoch's end):
                 for t in techniques: t.before_eval(model)         # BN recalibration
+<<<<<<< HEAD
                 evaluate(); for t in techniques: t.after_eval(step, samples_seen, acc)
         for t in techniques: plans = t.replan(epoch, samples_seen, plans, num_train)  # batch-size warmup
+=======
+                evaluate(); for t in techniques: t.after_eval(step, samples_seen, acc, loss)
+>>>>>>> text
 
 Techniques run in ascending `order` at every hook (a declared order, so a
 recipe's list order does not matter): model surgery before initialisation
@@ -119,7 +123,7 @@ class Technique:
     def before_eval(self, model: nn.Module) -> None:
         pass
 
-    def after_eval(self, step: int, samples_seen: int, acc: float) -> None:
+    def after_eval(self, step: int, samples_seen: int, acc: float, loss: float) -> None:
         """After each evaluation of the held-out split (val, or test without a validation split)."""
 
     def state_dict(self) -> dict:

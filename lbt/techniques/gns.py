@@ -136,7 +136,7 @@ class GradientNoiseScale(Technique):
         dist.all_reduce(worker_sq)
         return worker_sq / procs
 
-    def after_eval(self, step: int, samples_seen: int, acc: float) -> None:
+    def after_eval(self, step: int, samples_seen: int, acc: float, loss: float) -> None:
         if self.estimator.weight:
             self.curve.append([samples_seen, self.estimator.b_simple])
 
