@@ -26,12 +26,8 @@ Where each hook fires in a run (lbt/train.py builds, lbt/trainer.py loops):
             optimizer.step()
             at evaluation steps (log-spaced, and each epoch's end):
                 for t in techniques: t.before_eval(model)         # BN recalibration
-<<<<<<< HEAD
-                evaluate(); for t in techniques: t.after_eval(step, samples_seen, acc)
-        for t in techniques: plans = t.replan(epoch, samples_seen, plans, num_train)  # batch-size warmup
-=======
                 evaluate(); for t in techniques: t.after_eval(step, samples_seen, acc, loss)
->>>>>>> text
+        for t in techniques: plans = t.replan(epoch, samples_seen, plans, num_train)  # batch-size warmup
 
 Techniques run in ascending `order` at every hook (a declared order, so a
 recipe's list order does not matter): model surgery before initialisation
