@@ -49,7 +49,11 @@ TECHNIQUES = {
     "powersgd": (["technique=[comm_compression]", "technique.comm_compression.kind=powersgd", "dist.procs=2"],
                  STOP_AT),
 }
-CASES = {f"recipe={name}": ([f"recipe={name}"], STOP_AT) for name in RECIPES} | TECHNIQUES
+# Recipes that grow the batch from the noise scale: capped at 128 (epochs of 12, 6, 6 steps), stopped at 14.
+RAMPED = {"batch_warmup": (["technique.batch_ramp.max_global_batch=128"], 14),
+          "batch_warmup_adamw": (["technique.batch_ramp.max_global_batch=128"], 14)}
+CASES = {f"recipe={name}": ([f"recipe={name}", *RAMPED.get(name, ([], 0))[0]], RAMPED.get(name, ([], STOP_AT))[1])
+         for name in RECIPES} | TECHNIQUES
 # Synthetic data holds out no validation split: the runs evaluate test (log-spaced and at epoch ends).
 COMPARED = ("steps", "samples_seen", "test_history", "final_train_loss", "final_test_loss", "final_test_acc",
             "best_test_acc", "test_loss", "test_acc", "technique_metrics", "technique_curves")
