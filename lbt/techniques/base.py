@@ -54,6 +54,9 @@ class Progress(NamedTuple):
     epoch: int
     global_batch: int  # of the current step
     samples_per_epoch: int  # training samples per epoch (the dataset size)
+    # What the gradients of the step's backward were multiplied by (fp16 loss scaling, a device tensor;
+    # 1.0 otherwise). after_backward sees true gradients; a comm_hook saw them scaled.
+    grad_scale: torch.Tensor | float = 1.0
 
 
 class Technique:
