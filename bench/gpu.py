@@ -32,6 +32,7 @@ from _common import build_data, build_model, compose, headline, interleaved, med
 
 import torch  # noqa: E402
 
+NO_GPU = "bench/gpu.py: no CUDA GPU on this machine; nothing measured (it compares lbt with a plain loop on a GPU)"
 GPU_BASE = ["trainer.progress=false", "trainer.device=cuda", "trainer.precision=bf16", "trainer.channels_last=true",
             "trainer.evals=0", "data=synthetic", "data.num_test=256", "optim=sgd"]
 # name -> (overrides, global batch, steps, quick steps)
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=list(CASES), choices=list(CASES))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench/gpu.py: no CUDA GPU on this machine; nothing measured (it compares lbt with a plain loop on a GPU)")
+        print(NO_GPU)
         return 0
     repeats = args.repeats or (1 if args.quick else 3)
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}", flush=True)
