@@ -325,6 +325,9 @@ def _train_process(rank: int, store_port: int | None, config: dict, run_dir: str
                                 compile=trainer_cfg["compile"], channels_last=trainer_cfg["channels_last"],
                                 loader_workers=loader_workers(trainer_cfg["loader_workers"], local_procs))
         precision = Precision(trainer_cfg["precision"], device.type)
+        if ctx.is_main:
+            say(f"device={device} precision={precision.describe()} compile={settings.compile} "
+                f"channels_last={settings.channels_last} loader_workers={settings.loader_workers}")
         trainer = Trainer(parts.model, parts.optimizer, parts.loss_fn, parts.techniques, parts.schedule,
                           parts.budget, parts.data, ctx, settings, logger, checkpointer, precision)
         trainer.on_step = on_step

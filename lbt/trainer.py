@@ -240,6 +240,7 @@ class Trainer:
         self.window.start()
         self.timer.phase("data")
         for inputs, labels in batches.epoch(s.epoch, s.step_in_epoch, steps):
+            self.timer.phase("compute")  # the wait for the step's batch ends here
             lr = self.set_lr()
             log_now = self.window.should_log(s.step, last_of_epoch=s.step_in_epoch == steps - 1)
             loss, correct = self.train_step(inputs, labels, plan, count_correct=log_now and bar is not None)
@@ -350,7 +351,6 @@ class Trainer:
         `count_correct`, its number of correct predictions (else 0).
         """
         workers = plan.workers_per_proc
-        self.timer.phase("compute")
         self.optimizer.zero_grad(set_to_none=True)
         if workers > 1 and self.wants_worker_gradient:
             self.measure_first_worker(inputs[:plan.per_worker_batch], labels[:plan.per_worker_batch], workers)

@@ -34,9 +34,10 @@ def test_bf16_real_workers_equal_simulated_ones(tmp_path):
     simulated = train(tmp_path / "sim", MLP + ["trainer.precision=bf16", "dist.world_size=2"])
     train(tmp_path / "fp32", MLP + ["dist.world_size=2"])
     a, b, fp32 = (final_params(tmp_path / name) for name in ("real", "sim", "fp32"))
-    # bf16 keeps 8 bits of mantissa: layouts that split the batch differently round differently.
-    assert relative_diff(a, b) < 2e-3
-    assert relative_diff(b, fp32) > 10 * relative_diff(a, b) / 1e3  # bf16 did run: it is not fp32
+    # Within bf16's tolerance (8 bits of mantissa; equal on this CPU with torch 2.14, where fp32 layouts
+    # differ by ~1e-11), and bf16 did run: 3.9e-4 from fp32 after these 6 steps.
+    assert relative_diff(a, b) < 1e-3
+    assert relative_diff(b, fp32) > 1e-5
     assert real["final_train_loss"] == pytest.approx(simulated["final_train_loss"], rel=1e-2)
 
 
