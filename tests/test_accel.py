@@ -127,11 +127,14 @@ def test_new_trainer_values_are_checked_in_one_line():
 
 # -- torch.compile and channels_last -------------------------------------------------------------------
 @pytest.mark.slow
-def test_compiled_model_trains_as_the_eager_one(tmp_path):
+def test_compiled_model_trains_as_the_eager_one(tmp_path, monkeypatch):
     tiny = ["model=mlp", "model.hidden=16", "model.num_layers=1", "data.num_train=256", "data.num_test=64",
             "trainer.epochs=1", "trainer.global_batch=64", "trainer.evals=0"]
+    import torch._inductor.config
     from torch._dynamo.utils import counters
 
+    # Compile in this process: a pool of compile workers costs more than it saves for a tiny model.
+    monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)
     counters.clear()
     compiled = train(tmp_path / "compiled", tiny + ["trainer.compile=true"])
     assert counters["stats"]["unique_graphs"] >= 1  # dynamo did capture the forward
