@@ -99,7 +99,7 @@ class Precision:
         self.skipped_steps, self._skipped = state["skipped_steps"], None
 
     def describe(self) -> str:
-        return {"fp32": "fp32", "bf16": "bf16 autocast", "fp16": "fp16 autocast with loss scaling"}[self.name]
+        return {"fp32": "fp32", "bf16": "bf16 (autocast)", "fp16": "fp16 (autocast, loss scaling)"}[self.name]
 
 
 def compile_forward(module: nn.Module, device: torch.device, techniques: list) -> Callable:
