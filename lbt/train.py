@@ -24,8 +24,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from lbt import dist as lbt_dist
-from lbt.accel import Precision, check_channels_last
 from lbt import lr as lbt_lr
+from lbt.accel import Precision, check_channels_last
 from lbt.checkpoint import Checkpointer, run_identity
 from lbt.config import (DEFAULT_PER_WORKER_BATCH, BatchPlan, Budget, check_dist, check_trainer, make_budget,
                         plan_batches)
