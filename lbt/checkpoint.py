@@ -51,6 +51,7 @@ FORMAT = 3
 MAY_CHANGE = (
     "trainer.epochs", "trainer.max_steps", "trainer.resume", "trainer.progress", "trainer.log_every",
     "trainer.evals", "trainer.device", "trainer.threads", "trainer.checkpoint_every", "trainer.keep_checkpoints",
+    "trainer.compile", "trainer.channels_last", "trainer.loader_workers",
     "dist.procs",  # checked on its own: the per-process files need the same count
     "dist.backend", "dist.timeout_s", "dist.fuse_workers", "dist.max_restarts",
     "data.data_dir", "data.root", "recipe", "overrides", "tune", "study", "extra_sweeps",

@@ -20,6 +20,7 @@ DEFAULT_PER_WORKER_BATCH = 64
 MAX_EPOCHS = 100_000
 MAX_LOCAL_PROCS = 256
 MAX_THREADS = 1024
+MAX_LOADER_WORKERS = 256
 
 
 @dataclass
@@ -47,6 +48,10 @@ class TrainerConfig:
     checkpoint_every: int = 1
     keep_checkpoints: int = 2
     resume: Optional[str] = None
+    precision: str = "fp32"
+    compile: bool = False
+    channels_last: bool = False
+    loader_workers: Optional[int] = None
 
 
 @dataclass
@@ -76,6 +81,9 @@ def check_trainer(cfg: dict) -> None:
     integer("trainer.keep_checkpoints", cfg["keep_checkpoints"], 1, 1000)
     one_of("trainer.resume", cfg["resume"], (None, "auto"))
     one_of("trainer.device", cfg["device"], ("auto", "cpu", "cuda"))
+    one_of("trainer.precision", cfg["precision"], ("fp32", "bf16", "fp16"))
+    if cfg["loader_workers"] is not None:
+        integer("trainer.loader_workers", cfg["loader_workers"], 0, MAX_LOADER_WORKERS)
     if cfg["max_steps"] is not None:
         integer("trainer.max_steps", cfg["max_steps"])
     if cfg["threads"] is not None:

@@ -25,10 +25,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from lbt import dist as lbt_dist
 from lbt import lr as lbt_lr
+from lbt.accel import Precision, check_channels_last
 from lbt.checkpoint import Checkpointer, run_identity
 from lbt.config import (DEFAULT_PER_WORKER_BATCH, BatchPlan, Budget, check_dist, check_trainer, make_budget,
                         plan_batches)
 from lbt.data import DataSplits
+from lbt.data.batches import loader_workers
 from lbt.errors import ConfigError
 from lbt.validate import integer
 from lbt.metrics.tensorboard import RunLogger
@@ -221,6 +223,10 @@ def build_parts(config: dict, ctx: lbt_dist.DistContext, extra_techniques: list[
     for technique in techniques:
         model = technique.on_model(model)
     model.to(ctx.device)
+    if trainer_cfg["channels_last"]:
+        check_channels_last(data.input_shape)
+        model.to(memory_format=torch.channels_last)
+    data = data.to(ctx.device)  # in-memory data lives on the device: batches are gathered there
     optimizer = build(config["optim"], "optim")(model)
     loss_fn = torch.nn.CrossEntropyLoss()
     for technique in techniques:
@@ -318,9 +324,15 @@ def _train_process(rank: int, store_port: int | None, config: dict, run_dir: str
         logger = RunLogger(run_dir if ctx.is_main else None, loop["step"], loop["samples_seen"])
         settings = LoopSettings(seed=trainer_cfg["seed"], log_every=trainer_cfg["log_every"],
                                 progress=trainer_cfg["progress"], evals=trainer_cfg["evals"],
-                                fuse_workers=dist_cfg["fuse_workers"], checkpoint_every=trainer_cfg["checkpoint_every"])
+                                fuse_workers=dist_cfg["fuse_workers"], checkpoint_every=trainer_cfg["checkpoint_every"],
+                                compile=trainer_cfg["compile"], channels_last=trainer_cfg["channels_last"],
+                                loader_workers=loader_workers(trainer_cfg["loader_workers"], local_procs))
+        precision = Precision(trainer_cfg["precision"], device.type)
+        if ctx.is_main:
+            say(f"device={device} precision={precision.describe()} compile={settings.compile} "
+                f"channels_last={settings.channels_last} loader_workers={settings.loader_workers}")
         trainer = Trainer(parts.model, parts.optimizer, parts.loss_fn, parts.techniques, parts.schedule,
-                          parts.budget, parts.data, ctx, settings, logger, checkpointer)
+                          parts.budget, parts.data, ctx, settings, logger, checkpointer, precision)
         trainer.on_step = on_step
         if resume is not None:
             trainer.load_checkpoint(*resume)

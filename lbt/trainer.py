@@ -12,6 +12,10 @@ with BatchNorm statistics per worker chunk. Sequential (dist.fuse_workers=false)
     -> gradient = mean over W workers = mean over the global batch
     techniques' after_backward (clipping, measurements); optimizer.step()
 
+Forward and loss run under trainer.precision's autocast; with fp16 the
+gradients are unscaled before the techniques and the optimizer read them
+(lbt/accel.py).
+
 Techniques hook in at the points listed in lbt/techniques/base.py.
 """
 
@@ -29,6 +33,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from lbt.accel import Precision, compile_forward, memory_format
 from lbt.checkpoint import rng_state, set_rng_state
 from lbt.config import BatchPlan, Budget
 from lbt.data import DataSplits
@@ -120,6 +125,9 @@ class LoopSettings:
     evals: int = 20  # evaluations spaced log-uniformly in samples seen, besides those at epoch ends
     fuse_workers: bool = True
     checkpoint_every: int = 0  # epochs; 0 = only when stopped by a signal
+    compile: bool = False  # torch.compile the training forward
+    channels_last: bool = False  # inputs (and the model, lbt/train.py) in channels_last layout
+    loader_workers: int = 0  # DataLoader worker processes, for datasets read sample by sample
 
 
 def evaluation_steps(budget: Budget, evals: int) -> frozenset[int]:
@@ -168,8 +176,10 @@ class Trainer:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
                  techniques: list[Technique], schedule: Schedule, budget: Budget, data: DataSplits,
-                 ctx: DistContext, settings: LoopSettings, logger: RunLogger | None = None, checkpointer=None):
+                 ctx: DistContext, settings: LoopSettings, logger: RunLogger | None = None, checkpointer=None,
+                 precision: Precision | None = None):
         self.model, self.optimizer, self.loss_fn, self.techniques = model, optimizer, loss_fn, techniques
+        self.precision = precision or Precision("fp32", ctx.device.type)
         self.schedule, self.budget, self.data, self.ctx, self.settings = schedule, budget, data, ctx, settings
         self.log = logger or RunLogger(None)
         self.checkpointer = checkpointer
@@ -178,10 +188,14 @@ class Trainer:
         # no per-worker statistics for that, and its one pass is 1.6x faster than 16 of a 16th.
         self.fused = settings.fuse_workers
         self.fuse_simulated_workers(budget)
-        self.ddp, self.timer = model, StepTimer()
+        self.ddp, self.timer = model, StepTimer(ctx.device)
         if ctx.distributed:
             self.ddp = _wrap_ddp(model)
             register_comm_hook(self.ddp, techniques, self.timer)
+        # The training forward: DDP's (or the model's), compiled when asked; evaluation and measurements run eager.
+        self.forward = compile_forward(self.ddp, ctx.device, techniques) if settings.compile else self.ddp
+        self.memory_format = memory_format(settings.channels_last)
+        self.step_batches: dict[BatchPlan, StepBatches] = {}  # one per batch layout: its DataLoader lives on
         self.buffer_mean = BufferMean(model)
         self.wants_worker_gradient = any(t.wants_worker_gradient for t in techniques)
         self.lr_follows_batch = any(t.lr_follows_batch for t in techniques)
@@ -239,12 +253,12 @@ class Trainer:
             for technique in self.techniques:
                 technique.on_epoch_start(s.epoch, self.model)
         set_per_worker_batch(self.worker_norms, plan.per_worker_batch)
-        batches = StepBatches(self.data.train, plan, self.ctx.rank, self.settings.seed, self.ctx.device)
+        batches = self.batches(plan)
         bar = self._bar(s.epoch, steps, s.step_in_epoch)  # the steps this epoch takes (max_steps may cut it)
         self.window.start()
-        data_start = time.perf_counter()
+        self.timer.phase("data")
         for inputs, labels in batches.epoch(s.epoch, s.step_in_epoch, steps):
-            self.timer.add("data", time.perf_counter() - data_start)
+            self.timer.phase("compute")  # the wait for the step's batch ends here
             lr = self.set_lr(plan)
             log_now = self.window.should_log(s.step, last_of_epoch=s.step_in_epoch == steps - 1)
             loss, correct = self.train_step(inputs, labels, plan, count_correct=log_now and bar is not None)
@@ -261,10 +275,17 @@ class Trainer:
                 break
             if bar is not None:
                 bar.update()
-            data_start = time.perf_counter()
+            self.timer.phase("data")
+        self.timer.drop()  # the wait that found no more batches
         if bar is not None:
             bar.close()
         return s.epoch_loss_sum / max(s.epoch_loss_count, 1)
+
+    def batches(self, plan: BatchPlan) -> StepBatches:
+        if plan not in self.step_batches:
+            self.step_batches[plan] = StepBatches(self.data.train, plan, self.ctx.rank, self.settings.seed,
+                                                  self.ctx.device, self.settings.loader_workers, self.memory_format)
+        return self.step_batches[plan]
 
     def log_window(self, plan: BatchPlan, lr: float, correct: int, labels_per_step: int, bar, steps: int) -> bool:
         """Log train/* over the window of steps since the last log; True when the epoch must end now."""
@@ -274,7 +295,7 @@ class Trainer:
         window = self.window.close(self.stop_requested, self.ctx, plan.global_batch)
         self.log.scalars({"train/loss": window.mean_loss, "train/lr": lr, "train/global_batch": plan.global_batch,
                           "perf/samples_per_sec": window.samples_per_sec, **self.timer.window_means(),
-                          **self.technique_metrics()}, s.step, s.samples_seen)
+                          **self.precision.metrics(), **self.technique_metrics()}, s.step, s.samples_seen)
         s.epoch_loss_sum += window.loss_sum
         s.epoch_loss_count += window.count
         if bar is not None:
@@ -335,7 +356,7 @@ class Trainer:
         result.steps, result.samples_seen = s.step, s.samples_seen
         result.wall_seconds = time.perf_counter() - started
         result.samples_per_sec = s.samples_seen / max(result.train_seconds, 1e-9)
-        result.technique_metrics = self.technique_metrics()
+        result.technique_metrics = {**self.precision.metrics(), **self.technique_metrics()}
         result.technique_curves = {k: v for t in self.techniques for k, v in t.curves().items()}
         result.step_seconds = self.timer.run_means()
 
@@ -363,7 +384,6 @@ class Trainer:
         """
         workers = plan.workers_per_proc
         self.optimizer.zero_grad(set_to_none=True)
-        compute_start = time.perf_counter()
         if workers > 1 and self.wants_worker_gradient:
             self.measure_first_worker(inputs[:plan.per_worker_batch], labels[:plan.per_worker_batch], workers)
         if workers > 1 and (not self.fused or self.simulated_comm):
@@ -381,11 +401,12 @@ class Trainer:
             # last backward lets DDP allreduce the sum, once per step.
             sync = nullcontext() if last or not self.ctx.distributed else self.ddp.no_sync()
             with sync:
-                logits = self.ddp(pass_inputs)
-                loss = self.loss_fn(logits, pass_labels)
+                with self.precision.autocast():
+                    logits = self.forward(pass_inputs)
+                    loss = self.loss_fn(logits, pass_labels)
                 # Each pass's mean loss weighs by its share of the k local
                 # workers; DDP's division by P completes the mean over W workers.
-                (loss if share == 1 else loss * share).backward()
+                self.precision.backward(loss if share == 1 else loss * share)
             if self.simulated_comm:
                 sent = self.simulated_comm.send(self.model, sent)  # what this worker's GPU would put on the wire
             if split_buffers:
@@ -397,13 +418,15 @@ class Trainer:
         if self.simulated_comm:
             self.simulated_comm.receive(self.model, sent)
         s = self.state
-        progress = Progress(s.samples_seen, s.step, s.epoch, plan.global_batch, len(self.data.train))
+        # What a DDP hook saw is still scaled (fp16): the measurement that reads it divides by this.
+        progress = Progress(s.samples_seen, s.step, s.epoch, plan.global_batch, len(self.data.train),
+                            self.precision.grad_scale)
+        # fp16: true gradients from here on, for clipping, measurements and LARS/LAMB's trust ratios.
+        self.precision.unscale(self.optimizer)
         for technique in self.techniques:
             technique.after_backward(self.model, progress)
-        optimizer_start = time.perf_counter()
-        self.timer.add("compute", optimizer_start - compute_start)
-        self.optimizer.step()
-        self.timer.add("optimizer", time.perf_counter() - optimizer_start)
+        self.timer.phase("optimizer")
+        self.precision.step(self.optimizer)
         return loss_sum, correct
 
     def measure_first_worker(self, inputs: torch.Tensor, labels: torch.Tensor, workers: int) -> None:
@@ -414,11 +437,13 @@ class Trainer:
         """
         params = [p for p in self.model.parameters() if p.requires_grad]
         buffers = [b.detach().clone() for b in self.model.buffers()]
-        grads = torch.autograd.grad(self.loss_fn(self.model(inputs), labels), params)
+        with self.precision.autocast():
+            loss = self.loss_fn(self.model(inputs), labels)
+        grads = self.precision.unscaled(torch.autograd.grad(self.precision.scale(loss), params))
         for buffer, saved in zip(self.model.buffers(), buffers):
             buffer.copy_(saved)
         for technique in self.techniques:
-            technique.on_worker_gradient(list(grads), len(labels), workers)
+            technique.on_worker_gradient(grads, len(labels), workers)
 
     def technique_metrics(self) -> dict[str, float]:
         metrics: dict[str, float] = {}
@@ -434,9 +459,11 @@ class Trainer:
             technique.before_eval(self.model)
         self.model.eval()
         totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
-        batches = eval_batches(dataset, self.ctx.rank, self.ctx.procs, self.settings.eval_batch, self.ctx.device)
+        batches = eval_batches(dataset, self.ctx.rank, self.ctx.procs, self.settings.eval_batch, self.ctx.device,
+                               self.settings.loader_workers, self.memory_format)
         for inputs, labels in batches:
-            logits = self.model(inputs)
+            with self.precision.autocast():
+                logits = self.model(inputs)
             totals[0] += nn.functional.cross_entropy(logits, labels, reduction="sum").item()
             totals[1] += (logits.argmax(1) == labels).sum().item()
             totals[2] += labels.numel()  # samples, or tokens of a language model ((N, T) labels)
@@ -465,7 +492,8 @@ class Trainer:
         result = {k: v for k, v in self.result.to_dict().items() if k not in ("stopped", "step_seconds")}
         # The batch plans too: an automatic batch ramp decided them during the run.
         main = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "loop": asdict(self.state), "result": result, "plans": [asdict(p) for p in self.budget.plans]}
+                "loop": asdict(self.state), "result": result, "plans": [asdict(p) for p in self.budget.plans],
+                "precision": self.precision.state_dict()}
         # Every rank's own: its BN statistics, RNG states and technique state (PowerSGD's error feedback).
         own = {"buffers": {k: v.detach().clone() for k, v in self.model.named_buffers()}, "rng": rng_state(),
                "techniques": {t.name: t.state_dict() for t in self.techniques}}
@@ -478,6 +506,7 @@ class Trainer:
         for name, value in own["buffers"].items():  # this rank's own BN statistics
             buffers[name].copy_(value)
         self.optimizer.load_state_dict(main["optimizer"])
+        self.precision.load_state_dict(main.get("precision", {}))  # fp16's loss scale and skipped steps
         self.state = LoopState(**main["loop"])
         plans = [BatchPlan(**plan) for plan in main.get("plans", ())]
         if plans and tuple(plans) != self.budget.plans:

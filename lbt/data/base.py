@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -30,6 +30,12 @@ class InMemoryDataset(Dataset):
 
     def __getitem__(self, index: int):
         return self.x[index], self.y[index]
+
+    def to(self, device: torch.device) -> InMemoryDataset:
+        """The same samples on `device` (self when they are there already)."""
+        if self.x.device == device and self.y.device == device:
+            return self
+        return InMemoryDataset(self.x.to(device), self.y.to(device))
 
 
 class DataShape(NamedTuple):
@@ -64,6 +70,13 @@ class DataSplits:
     # What one label is in a language model ("char": data=text); its loss in bits is bits per char.
     # None: one label per sample (classification).
     token: str | None = None
+
+    def to(self, device: torch.device) -> DataSplits:
+        """The in-memory splits moved to `device` once, so batches are gathered there; others stay as they are."""
+        def moved(dataset: Dataset | None) -> Dataset | None:
+            return dataset.to(device) if isinstance(dataset, InMemoryDataset) else dataset
+
+        return replace(self, train=moved(self.train), val=moved(self.val), test=moved(self.test))
 
 
 def split_validation(

@@ -20,8 +20,10 @@ Where each hook fires in a run (lbt/train.py builds, lbt/trainer.py loops):
             lr = lr_at(samples_seen, schedule)
             if a technique wants_worker_gradient:                 # beside the step, changing nothing:
                 t.on_worker_gradient(worker 0's own gradient, per_worker_batch, workers)  # noise scale
-            for worker in local workers: forward, backward        # no_sync but the last (or fused)
+            for worker in local workers: forward, backward        # no_sync but the last (or fused);
+                                                                  # forward under trainer.precision's autocast
                 (t.simulated_comm: each simulated worker's gradient compressed, as on its GPU)
+            precision.unscale(optimizer)                          # fp16: true gradients from here on
             for t in techniques: t.after_backward(model, progress)  # clipping, measurements
             optimizer.step()
             at evaluation steps (log-spaced, and each epoch's end):
@@ -55,6 +57,9 @@ class Progress(NamedTuple):
     epoch: int
     global_batch: int  # of the current step
     samples_per_epoch: int  # training samples per epoch (the dataset size)
+    # What the gradients of the step's backward were multiplied by (fp16 loss scaling, a device tensor;
+    # 1.0 otherwise). after_backward sees true gradients; a comm_hook saw them scaled.
+    grad_scale: torch.Tensor | float = 1.0
 
 
 class Technique:

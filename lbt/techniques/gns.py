@@ -13,6 +13,8 @@ samples, so 1/B becomes the finite-population factor c(B) = (N - B) / ((N - 1) B
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -120,7 +122,8 @@ class GradientNoiseScale(Technique):
         if worker_sq is None:
             if hook_sq is None or procs == 1:
                 return  # one worker in all: no small batch to compare with
-            worker_sq, small_batch = hook_sq, progress.global_batch // procs
+            # The hook read the gradient before fp16's scaling was undone.
+            worker_sq, small_batch = hook_sq / progress.grad_scale ** 2, progress.global_batch // procs
         else:
             small_batch = self.worker_batch
         if small_batch >= progress.global_batch:
@@ -128,8 +131,10 @@ class GradientNoiseScale(Technique):
         if procs > 1:
             worker_sq = self.combine_processes(worker_sq, procs)
         population = progress.samples_per_epoch if self.finite_population else None
-        self.estimator.update(worker_sq.item(), grad_sq_norm(model).item(), small_batch, progress.global_batch,
-                              population)
+        small_sq, big_sq = worker_sq.item(), grad_sq_norm(model).item()
+        if not (math.isfinite(small_sq) and math.isfinite(big_sq)):
+            return  # an fp16 step that overflowed (and is skipped): nothing to learn from it
+        self.estimator.update(small_sq, big_sq, small_batch, progress.global_batch, population)
 
     def combine_processes(self, worker_sq: torch.Tensor, procs: int) -> torch.Tensor:
         """Every process measured its own first worker: average them (a steadier estimate)."""
