@@ -50,7 +50,8 @@ def run_parallel(scripts: list[str], folder: Path, name: str) -> None:
 
 def tune(folder: Path, recipe: str, world_sizes: str, trials: int, extra: list[str] = ()) -> list[str]:
     return ["tune", f"recipe={recipe}", f"dist.world_size={world_sizes}", f"tune.trials={trials}",
-            f"tune.startup_trials={max(1, trials // 2)}", f"tune.seeds={len(SEEDS)}", "trainer.threads=1",
+            f"tune.startup_trials={max(1, trials // 2)}", f"tune.seeds={len(SEEDS)}", "tune.untuned=false",
+            "trainer.threads=1",
             f"tune.dir={folder}", *extra]
 
 

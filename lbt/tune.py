@@ -99,6 +99,7 @@ class Settings:
     prune_after: float
     dir: Path
     metric: Metric  # what trials are selected on: final val accuracy (maximised) or loss (minimised)
+    untuned: bool = True  # also train the recipe's untuned defaults with the seeds (the "default" runs)
 
     @classmethod
     def from_config(cls, node: dict) -> Settings:
@@ -112,6 +113,7 @@ class Settings:
             prune_after=number("tune.prune_after", node.get("prune_after"), 0.0, 1.0),
             dir=Path(str(node.get("dir") or "runs/tune/default")).expanduser().absolute(),
             metric=metric_named(str(node.get("metric", "acc")), "tune.metric"),
+            untuned=bool(one_of("tune.untuned", node.get("untuned", True), (True, False))),
         )
 
 
@@ -550,7 +552,7 @@ def finish_cell(optuna, plan: Plan, cell: Cell, study, new_runs: dict) -> dict:
         summary["tuned"] = final_runs(plan, cell, "tuned", dict(best.params), seeds, new_runs)
     else:
         print(f"[{cell.name}] no trial finished (all {len(counted)} pruned): no tuned runs", flush=True)
-    summary["default"] = final_runs(plan, cell, "default", {}, seeds, new_runs)
+    summary["default"] = final_runs(plan, cell, "default", {}, seeds if plan.settings.untuned else [], new_runs)
     summary["overrides"] = sorted(identity_overrides(plan))
     (plan.settings.dir / "cells").mkdir(exist_ok=True)
     atomic_write(plan.settings.dir / "cells" / f"{cell.folder}.json",
@@ -608,7 +610,8 @@ def final_runs(plan: Plan, cell: Cell, kind: str, params: dict, seeds: list[int]
     test = [None if r.get("diverged") else r.get(f"test_{m}") for r in results]
     return {"seeds": seeds, f"val_{m}": val, f"test_{m}": test, "val_mean_std": mean_std(val),
             "test_mean_std": mean_std(test), "diverged": sum(bool(r.get("diverged")) for r in results),
-            "base_lr": results[0].get("base_lr"), "peak_lr": results[0].get("peak_lr"),
+            "base_lr": results[0].get("base_lr") if results else None,
+            "peak_lr": results[0].get("peak_lr") if results else None,
             "folders": [str(plan.settings.dir / "final" / kind / cell.folder / f"seed_{s}") for s in seeds]}
 
 
@@ -722,14 +725,16 @@ def markdown(summary: dict) -> str:
     pruning = ("no pruning" if s["pruner"] == "none" else
                f"{s['pruner']} pruning past {100 * s['prune_after']:g}% of a trial's samples, once "
                f"{s['prune_startup_trials']} trials of the cell finished")
-    seeds = cells[0]["default"]["seeds"] if cells else []
+    seeds = next((c[kind]["seeds"] for c in cells for kind in ("tuned", "default") if c.get(kind, {}).get("seeds")), [])
+    untuned = any(c["default"]["seeds"] for c in cells)
     lines = [
         f"# Tuning report: {summary['tune_dir']}", "",
         f"Every cell got the same budget: **{s['trials']} trials** of {s['sampler']} (seed {s['seed']}, the first "
         f"{s['startup_trials']} random) over its recipe's `tune.space`, each a full `lbt train` run selected on its "
         f"final **val** {label} ({metric.direction}d); {pruning}; a "
-        f"diverged trial counts, as {metric.worst:g}. The best trial's values (**tuned**) and "
-        f"the recipe's **untuned** defaults were then trained with seeds {', '.join(map(str, seeds))} (not the "
+        f"diverged trial counts, as {metric.worst:g}. The best trial's values (**tuned**)"
+        + (" and the recipe's **untuned** defaults" if untuned else " (tune.untuned=false: not the untuned defaults)")
+        + f" were then trained with seeds {', '.join(map(str, seeds))} (not the "
         "trials' seed) and scored on val and, once, on **test**: the gap between the two is how much of the "
         f"{label} lost at a batch was mis-tuning.", "",
         f"Overrides of every run: `{' '.join(summary['overrides']) or '(none)'}`. "
