@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from conftest import train
+from conftest import final_params, relative_diff, train
 from lbt.config import BatchPlan, make_budget
 from lbt.errors import ConfigError
 from lbt.lr import (Schedule, adam_sqrt_moments, adam_sqrt_out_of_range, build_schedule, optimizer_settings,
@@ -125,10 +125,23 @@ def test_an_auto_ramp_run_grows_the_batch_and_the_lr_follows(tmp_path):
     assert lrs[128][-1] == pytest.approx(1e-3 * math.sqrt(2), rel=1e-6)
 
 
-def test_auto_ramp_simulated_equals_real_processes(tmp_path):
-    from conftest import final_params, relative_diff
+TINY_TRANSFORMER = ["model=transformer1d", "model.dim=16", "model.heads=2", "model.depth=1"]
 
-    simulated = train(tmp_path / "sim", RAMP)
-    real = train(tmp_path / "real", RAMP + ["dist.procs=2"])
+
+def test_transformer_simulated_workers_equal_one_worker_at_the_same_global_batch(tmp_path):
+    # No BatchNorm: two workers of 16 are one worker of 32, but for the order of the samples in the pass
+    # (worker-major), i.e. float summation order, which Adam's normalised steps carry to ~3e-5 in 12 steps.
+    common = TINY_TRANSFORMER + ["optim=adamw", "trainer.max_steps=12", "trainer.evals=0"]
+    train(tmp_path / "one", common + ["trainer.global_batch=32"])
+    train(tmp_path / "two", common + ["dist.world_size=2", "trainer.per_worker_batch=16"])
+    assert relative_diff(final_params(tmp_path / "one"), final_params(tmp_path / "two")) < 2e-4
+
+
+def test_auto_ramp_simulated_equals_real_processes(tmp_path):
+    # transformer1d (AdamW, the square-root rule) on 2 real processes and simulated: the same batch
+    # decisions (worker 0's measurement) and the same parameters.
+    args = [a for a in RAMP if a != "model=mlp"] + TINY_TRANSFORMER
+    simulated = train(tmp_path / "sim", args)
+    real = train(tmp_path / "real", args + ["dist.procs=2"])
     assert real["technique_curves"]["batch_ramp/global_batch"] == simulated["technique_curves"]["batch_ramp/global_batch"]
-    assert relative_diff(final_params(tmp_path / "sim"), final_params(tmp_path / "real")) < 1e-5
+    assert relative_diff(final_params(tmp_path / "sim"), final_params(tmp_path / "real")) < 2e-4  # float order
