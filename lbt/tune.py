@@ -168,7 +168,8 @@ def tune(args: list[str]) -> dict | None:
     storage = optuna.storages.RDBStorage(f"sqlite:///{folder / 'optuna.db'}")
     s = plan.settings
     print(f"tune: {_count(len(plan.cells), 'cell')} x {_count(s.trials, 'trial')} (TPE, seed {s.seed}; pruner "
-          f"{s.pruner}), then the best and the defaults x {_count(s.seeds, 'seed')}; folder {folder}", flush=True)
+          f"{s.pruner}), then the best{' and the defaults' if s.untuned else ''} x {_count(s.seeds, 'seed')}; "
+          f"folder {folder}", flush=True)
     started, new_runs = time.perf_counter(), {"trials": 0, "finals": 0}
     # Every cell's study is opened (and checked against this command) before any trial runs.
     studies = [open_study(optuna, storage, plan, cell) for cell in plan.cells]
