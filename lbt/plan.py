@@ -95,7 +95,12 @@ def ring_allreduce_seconds(nbytes: float, workers: int, bandwidth_bytes_per_s: f
         raise ValueError(f"workers must be >= 1, got {workers}")
     if workers == 1:
         return 0.0
-    return 2 * (workers - 1) / workers * nbytes / bandwidth_bytes_per_s + 2 * (workers - 1) * latency_s
+    return ring_bytes_sent(nbytes, workers) / bandwidth_bytes_per_s + 2 * (workers - 1) * latency_s
+
+
+def ring_bytes_sent(nbytes: float, workers: int) -> float:
+    """Bytes each worker sends in a ring allreduce of `nbytes`: 2 (W-1)/W x nbytes (0 for one worker)."""
+    return 2 * (workers - 1) / workers * nbytes
 
 
 def step_seconds(compute_s: float, allreduce_s: float, overlap: float = 0.0, backward_s: float | None = None) -> float:
