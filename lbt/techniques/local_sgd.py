@@ -247,12 +247,16 @@ class LocalSGD(Technique):
         if "replicas" in state:
             self.replicas = Replicas(self.model, self.optimizer, self.workers)
             self.replicas.load_state_dict(state["replicas"])
-        elif "params" in state and self.real:
-            with torch.no_grad():
-                for p, own in zip(self.model.parameters(), state["params"]):
-                    p.copy_(own)
-            self.optimizer.optim.load_state_dict(state["optim"])
-            self.hook_state.iter = state["hook_iter"]
+        elif self.real:
+            if "params" in state:
+                with torch.no_grad():
+                    for p, own in zip(self.model.parameters(), state["params"]):
+                        p.copy_(own)
+                self.optimizer.optim.load_state_dict(state["optim"])
+                self.hook_state.iter = state["hook_iter"]
+            # Optimizer.load_state_dict gives the wrapped optimizer new param_groups; PostLocalSGDOptimizer
+            # keeps the old list (torch 2.14), where the trainer would set an LR nothing reads.
+            self.optimizer.param_groups = self.optimizer.optim.param_groups
 
     def describe(self) -> str:
         warmup = f" after {self.warmup_steps} synchronous steps" if self.warmup_steps else ""
