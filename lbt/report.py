@@ -57,6 +57,9 @@ class Row:
     errors: int
     b_simple: float | None  # gradient noise scale over the last GNS_WINDOW of training, median over seeds
     jobs: list[str] = field(default_factory=list)
+    # Model-sized allreduces per run and the bytes each worker sent (mean over seeds): accuracy against communication.
+    allreduces: float | None = None
+    bytes_sent: float | None = None
 
 
 def load_jobs(study_dir: Path) -> list[dict]:
@@ -145,6 +148,8 @@ def aggregate(jobs: list[dict], target: float | None) -> list[Row]:
             diverged=sum(bool(j.get("diverged")) for j in ok), errors=len(members) - len(ok),
             b_simple=statistics.median(b_simple) if b_simple else None,
             jobs=[j["job_dir"] for j in members],
+            allreduces=_mean_std([j["allreduces"] for j in ok if "allreduces" in j])[0] if ok else None,
+            bytes_sent=_mean_std([j["bytes_sent"] for j in ok if "bytes_sent" in j])[0] if ok else None,
         ))
     reference = _reference(rows)
     for row in rows:
@@ -364,8 +369,9 @@ def markdown(rows: list[Row], target: float | None, crit: dict, jobs: list[dict]
     for recipe in sorted({r.recipe for r in rows}):
         lines += ["", f"## {recipe}", "",
                   f"| global batch | world size | seeds | final {split} acc | best {split} acc | test acc | gap (pts) | "
-                  f"steps | steps to target ({split}) | B_simple (last {100 * GNS_WINDOW:g}%) | samples/s | diverged |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  f"steps | steps to target ({split}) | B_simple (last {100 * GNS_WINDOW:g}%) | samples/s | "
+                  "allreduces | MB sent per worker | diverged |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in sorted((r for r in rows if r.recipe == recipe), key=lambda r: r.global_batch):
             status = ", ".join(
                 [f"diverged {r.diverged}/{r.seeds}"] * bool(r.diverged) + [f"error {r.errors}/{r.seeds}"] * bool(r.errors)
@@ -376,7 +382,8 @@ def markdown(rows: list[Row], target: float | None, crit: dict, jobs: list[dict]
                 f"{_fmt(r.final_acc if mine else None, '.4f', r.final_acc_std)} | {_fmt(r.best_acc if mine else None)} | "
                 f"{_fmt(r.test_acc, '.4f', r.test_acc_std)} | {_fmt(r.gap, '+.2f')} | {_fmt(r.steps, '.0f')} | "
                 f"{_fmt(r.steps_to_target if mine else None, '.0f', r.steps_to_target_std)} | "
-                f"{_fmt(r.b_simple, ',.0f')} | {_fmt(r.samples_per_sec, ',.0f')} | {status} |"
+                f"{_fmt(r.b_simple, ',.0f')} | {_fmt(r.samples_per_sec, ',.0f')} | {_fmt(r.allreduces, ',.0f')} | "
+                f"{_fmt(None if r.bytes_sent is None else r.bytes_sent / 1e6, ',.1f')} | {status} |"
             )
     failed = [j for j in jobs if "error" in j]
     if failed:

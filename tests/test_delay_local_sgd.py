@@ -110,3 +110,41 @@ def test_local_sgd_with_period_1_is_synchronous_sgd(tmp_path):
 
 def _params(overrides: list[str]) -> int:
     return initial_params(overrides).numel()
+
+
+def test_plan_models_the_overlap_of_a_delayed_allreduce():
+    from lbt.plan import Compute, Network, overlapped_step_seconds, plan_rows
+
+    assert overlapped_step_seconds(0.010, 0.004) == 0.010 and overlapped_step_seconds(0.010, 0.025) == 0.025
+    compute = Compute(0.003, 0.006, 0.001, 64, 1_000_000, "given")
+    network = Network("slow", 1.0, 0.0, "test")  # 4 MB of gradients over 1 Gb/s: 32 ms at W=2 (ring)
+    sync, delayed = (plan_rows(compute, network, [2], 60_000, delay=d)[0] for d in (0, 1))
+    assert sync.step_s == pytest.approx(0.010 + sync.allreduce_s)
+    assert delayed.step_s == pytest.approx(max(0.010, sync.allreduce_s))
+    assert delayed.synchronous_step_s == pytest.approx(sync.step_s)
+
+
+def test_lbt_study_sweeps_delay_and_period_as_separate_curves(tmp_path):
+    import json
+
+    from conftest import lbt_cli
+
+    tiny = ["recipe=baseline", "data=synthetic", "model=mlp", "data.num_train=256", "trainer.epochs=1",
+            "trainer.per_worker_batch=32", "dist.world_size=2", "extra_sweeps={}",
+            "hydra/launcher=basic"]  # one process: no job start-up per run
+    sweeps = {"delay": ["technique=[gradient_delay]", "technique.gradient_delay.delay=1,2"],
+              "local": ["technique=[local_sgd]", "technique.local_sgd.period=1,4"]}
+    for name, sweep in sweeps.items():
+        run = lbt_cli(["study", *tiny, *sweep, f"hydra.sweep.dir={tmp_path / 'study' / name}"], tmp_path, timeout=300)
+        assert run.returncode == 0, run.stderr
+    report = lbt_cli(["report", str(tmp_path / "study")], tmp_path, timeout=120)
+    assert report.returncode == 0, report.stderr
+    rows = json.loads((tmp_path / "study" / "summary.json").read_text())["rows"]
+    series = {r["recipe"]: r for r in rows}
+    assert len(series) == 4, sorted(series)
+    for value in ("technique.gradient_delay.delay=1", "technique.gradient_delay.delay=2",
+                  "technique.local_sgd.period=1", "technique.local_sgd.period=4"):
+        assert [name for name in series if value in name], (value, sorted(series))
+    # 4 steps: synchronous gradient allreduces, or averages after steps 0 (and 1, 2, 3 with period 1).
+    assert {r["allreduces"] for name, r in series.items() if "period=4" in name} == {1}
+    assert "allreduces" in (tmp_path / "study" / "report.md").read_text()

@@ -1,0 +1,165 @@
+"""Delayed gradients and local SGD against synchronous SGD (issue 15; bench/README.md, "Beyond lockstep SGD").
+
+accuracy: MNIST-1D (54,000 train, 6,000 val, 10,000 test), cnn1d, 10 epochs, recipe goyal2017 (linear LR
+scaling, 5 warmup epochs, cosine), per-worker batch 64 at world sizes 16 and 64 (16x and 64x the base batch
+of 64), all workers simulated on one process; arms: synchronous, gradient delay d = 1, 2, 4, 8, local SGD
+with period H = 1, 4, 16 (no synchronous warm-up); seeds 0, 1, 2. Each run is `lbt train` in its own folder
+under --out (result.json with test accuracy and the allreduce count); a finished run is not run again, so
+the same command continues an interrupted bench.
+
+timing: 2 real processes (gloo, one thread each) on a model whose allreduce is a large part of a synchronous
+step (mlp, 3 hidden layers of 1024, per-worker batch 16: 2.1 M parameters, 8.4 MB per allreduce); the
+synchronous arm and d=1 run in turns (`--repeats` rounds), each `--steps` steps; the figure is the median
+step time (train seconds / steps) and its min-max spread, beside `lbt plan`'s prediction from the
+synchronous arm's measured compute and allreduce (per step compute + allreduce vs max(compute, allreduce)).
+
+    python bench/delay_local_sgd.py accuracy --out runs/bench_delay --jobs 2
+    python bench/delay_local_sgd.py timing --repeats 5
+    python bench/delay_local_sgd.py table --out runs/bench_delay
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+ACCURACY = ["data=mnist1d", "model=cnn1d", "recipe=goyal2017", "trainer.epochs=10", "trainer.per_worker_batch=64",
+            "trainer.threads=1", "trainer.progress=false", "trainer.device=cpu", "trainer.evals=0",
+            "trainer.checkpoint_every=0"]
+WORLD_SIZES = {"16x": 16, "64x": 64}
+ARMS = {
+    "sync": [],
+    **{f"d={d}": ["technique=[gradient_delay]", f"technique.gradient_delay.delay={d}"] for d in (1, 2, 4, 8)},
+    **{f"H={h}": ["technique=[local_sgd]", f"technique.local_sgd.period={h}"] for h in (1, 4, 16)},
+}
+SEEDS = (0, 1, 2)
+
+TIMING = ["data=mnist1d", "model=mlp", "model.hidden=1024", "model.num_layers=3", "trainer.per_worker_batch=16",
+          "dist.world_size=2", "dist.procs=2", "trainer.threads=1", "trainer.progress=false", "trainer.device=cpu",
+          "trainer.evals=0", "trainer.epochs=1", "trainer.checkpoint_every=0", "optim.lr=0.01"]
+TIMING_ARMS = {"sync": [], "d=1": ["technique=[gradient_delay]", "technique.gradient_delay.delay=1"]}
+
+
+def lbt_train(overrides: list[str], run_dir: Path, timeout: float = 7200) -> dict:
+    """`python -m lbt train OVERRIDES` into run_dir (kept: events, train.log, result.json); its result."""
+    result = run_dir / "result.json"
+    if result.exists():
+        return json.loads(result.read_text())
+    run_dir.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "lbt", "train", *overrides, f"hydra.run.dir={run_dir}"]
+    (run_dir / "command.txt").write_text(" ".join(command[2:]) + "\n")
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0 or not result.exists():
+        (run_dir / "failed.txt").write_text(done.stderr[-5000:])
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}): {done.stderr[-500:]}")
+    return json.loads(result.read_text())
+
+
+def accuracy_jobs(out: Path) -> list[tuple[list[str], Path]]:
+    """Every run, most wanted first: 16x before 64x, synchronous and d=1 (the 0.3-point target) first."""
+    jobs = []
+    for batch, world_size in WORLD_SIZES.items():
+        for arm, overrides in ARMS.items():
+            for seed in SEEDS:
+                jobs.append((ACCURACY + [f"dist.world_size={world_size}", f"trainer.seed={seed}", *overrides],
+                             out / batch / arm / f"seed{seed}"))
+    return jobs
+
+
+def accuracy(out: Path, jobs: int) -> None:
+    started = time.perf_counter()
+
+    def one(job):
+        overrides, run_dir = job
+        try:
+            result = lbt_train(overrides, run_dir)
+            print(f"{run_dir.relative_to(out)}: test_acc={result['test_acc']:.4f} allreduces={result['allreduces']} "
+                  f"({time.perf_counter() - started:.0f} s)", flush=True)
+        except RuntimeError as error:
+            print(f"{run_dir.relative_to(out)}: FAILED {error}", flush=True)
+
+    with ThreadPoolExecutor(jobs) as pool:
+        list(pool.map(one, accuracy_jobs(out)))
+
+
+def table(out: Path) -> None:
+    """The markdown tables of bench/README.md from the finished runs."""
+    for batch in WORLD_SIZES:
+        print(f"\n### {batch} the base batch (global batch {64 * WORLD_SIZES[batch]:,})\n")
+        print("| arm | seeds | test acc (mean ± std) | vs sync (points) | val acc | allreduces | GB sent per worker |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        sync = None
+        for arm in ARMS:
+            results = [json.loads(p.read_text()) for p in sorted((out / batch / arm).glob("seed*/result.json"))]
+            if not results:
+                print(f"| {arm} | 0 | not run | | | | |")
+                continue
+            accs = [r["test_acc"] for r in results]
+            mean = statistics.fmean(accs)
+            std = statistics.stdev(accs) if len(accs) > 1 else 0.0
+            if arm == "sync":
+                sync = mean
+            gap = f"{100 * (mean - sync):+.2f}" if sync is not None else ""
+            val = statistics.fmean(r["final_val_acc"] for r in results)
+            print(f"| {arm} | {len(results)} | {100 * mean:.2f} ± {100 * std:.2f} | {gap} | {100 * val:.2f} | "
+                  f"{results[0]['allreduces']:,} | {results[0]['bytes_sent'] / 1e9:.2f} |")
+
+
+def timing(repeats: int, steps: int, out: Path) -> None:
+    """The synchronous arm and d=1 in turns on 2 real processes; medians, spread and lbt plan's prediction."""
+    from lbt.plan import overlapped_step_seconds
+
+    per_step: dict[str, list[float]] = {arm: [] for arm in TIMING_ARMS}
+    parts: list[dict] = []
+    for repeat in range(repeats):
+        for arm, overrides in TIMING_ARMS.items():
+            run_dir = out / "timing" / f"{arm}-{repeat}"
+            result = lbt_train(TIMING + [f"trainer.max_steps={steps}", *overrides], run_dir)
+            per_step[arm].append(result["train_seconds"] / result["steps"])
+            if arm == "sync":
+                parts.append(result["step_seconds"])
+            print(f"round {repeat} {arm}: {1e3 * per_step[arm][-1]:.1f} ms/step {result['step_seconds']}", flush=True)
+    sync, delayed = (statistics.median(per_step[a]) for a in TIMING_ARMS)
+    comm = statistics.median(p.get("comm", 0.0) for p in parts)
+    step_sync = statistics.median(per_step["sync"])
+    compute = step_sync - comm  # everything a synchronous step does besides waiting on the allreduce
+    print(f"\nmeasured (median of {repeats}, min-max): sync {1e3 * sync:.1f} ms "
+          f"({1e3 * min(per_step['sync']):.1f}-{1e3 * max(per_step['sync']):.1f}), "
+          f"d=1 {1e3 * delayed:.1f} ms ({1e3 * min(per_step['d=1']):.1f}-{1e3 * max(per_step['d=1']):.1f}); "
+          f"speedup {sync / delayed:.2f}x")
+    print(f"sync step parts (median): allreduce span {1e3 * comm:.1f} ms = {comm / step_sync:.0%} of the step, "
+          f"the rest {1e3 * compute:.1f} ms")
+    print(f"lbt plan's model from those parts: sync {1e3 * (compute + comm):.1f} ms, d=1 "
+          f"{1e3 * overlapped_step_seconds(compute, comm):.1f} ms, speedup "
+          f"{(compute + comm) / overlapped_step_seconds(compute, comm):.2f}x")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", choices=["accuracy", "timing", "table"])
+    parser.add_argument("--out", type=Path, default=Path("runs/bench_delay"))
+    parser.add_argument("--jobs", type=int, default=2, help="accuracy runs side by side (one thread each)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=150)
+    args = parser.parse_args(argv)
+    out = args.out.absolute()
+    if args.what == "accuracy":
+        accuracy(out, args.jobs)
+    elif args.what == "timing":
+        timing(args.repeats, args.steps, out)
+    else:
+        table(out)
+
+
+if __name__ == "__main__":
+    main()
