@@ -9,9 +9,10 @@ the same command continues an interrupted bench.
 
 timing: 2 real processes (gloo, one thread each) on a model whose allreduce is a large part of a synchronous
 step (mlp, 3 hidden layers of 1024, per-worker batch 16: 2.1 M parameters, 8.4 MB per allreduce); the
-synchronous arm and d=1 run in turns (`--repeats` rounds), each `--steps` steps; the figure is the median
-step time (train seconds / steps) and its min-max spread, beside `lbt plan`'s prediction from the
-synchronous arm's measured compute and allreduce (per step compute + allreduce vs max(compute, allreduce)).
+synchronous arm, d=1 and one worker alone (the compute without an allreduce) run in turns (`--repeats`
+rounds), each `--steps` steps; the figures are median step times (train seconds / steps) with their min-max
+spread and the round-by-round ratio, beside `lbt plan`'s model fed with the measured parts (sync: compute +
+allreduce; d=1: max(compute, allreduce)).
 
     python bench/delay_local_sgd.py accuracy --out runs/bench_delay --jobs 2
     python bench/delay_local_sgd.py timing --repeats 5
@@ -52,7 +53,9 @@ SEEDS = (0, 1, 2)
 TIMING = ["data=mnist1d", "model=mlp", "model.hidden=1024", "model.num_layers=3", "trainer.per_worker_batch=16",
           "dist.world_size=2", "dist.procs=2", "trainer.threads=1", "trainer.progress=false", "trainer.device=cpu",
           "trainer.evals=0", "trainer.epochs=1", "trainer.checkpoint_every=0", "optim.lr=0.01"]
-TIMING_ARMS = {"sync": [], "d=1": ["technique=[gradient_delay]", "technique.gradient_delay.delay=1"]}
+# "alone": one worker in one process, the compute of a step without any allreduce (lbt plan's T_comp).
+TIMING_ARMS = {"sync": [], "d=1": ["technique=[gradient_delay]", "technique.gradient_delay.delay=1"],
+               "alone": ["dist.world_size=1", "dist.procs=1"]}
 
 
 def folder(arm: str) -> str:
@@ -132,30 +135,27 @@ def timing(repeats: int, steps: int, out: Path) -> None:
     from lbt.plan import overlapped_step_seconds
 
     per_step: dict[str, list[float]] = {arm: [] for arm in TIMING_ARMS}
-    parts: list[dict] = []
     for repeat in range(repeats):
         for arm, overrides in TIMING_ARMS.items():
             run_dir = out / "timing" / f"{folder(arm)}-{repeat}"
             result = lbt_train(TIMING + [f"trainer.max_steps={steps}", *overrides], run_dir)
             per_step[arm].append(result["train_seconds"] / result["steps"])
-            if arm == "sync":
-                parts.append(result["step_seconds"])
             print(f"round {repeat} {arm}: {1e3 * per_step[arm][-1]:.1f} ms/step {result['step_seconds']}", flush=True)
-    sync, delayed = (statistics.median(per_step[a]) for a in TIMING_ARMS)
-    comm = statistics.median(p.get("comm_s", 0.0) for p in parts)
+    sync, delayed, alone = (statistics.median(per_step[a]) for a in TIMING_ARMS)
     ratios = [a / b for a, b in zip(per_step["sync"], per_step["d=1"])]  # round by round: the same load on both
-    step_sync = statistics.median(per_step["sync"])
-    compute = step_sync - comm  # everything a synchronous step does besides waiting on the allreduce
-    print(f"\nmeasured (median of {repeats}, min-max): sync {1e3 * sync:.1f} ms "
+    print(f"\nmeasured (median of {repeats} rounds, min-max): sync {1e3 * sync:.1f} ms "
           f"({1e3 * min(per_step['sync']):.1f}-{1e3 * max(per_step['sync']):.1f}), "
-          f"d=1 {1e3 * delayed:.1f} ms ({1e3 * min(per_step['d=1']):.1f}-{1e3 * max(per_step['d=1']):.1f}); "
-          f"speedup {sync / delayed:.2f}x; per round {', '.join(f'{r:.2f}' for r in ratios)} "
-          f"(median {statistics.median(ratios):.2f}x)")
-    print(f"sync step parts (median): allreduce span {1e3 * comm:.1f} ms = {comm / step_sync:.0%} of the step, "
-          f"the rest {1e3 * compute:.1f} ms")
-    print(f"lbt plan's model from those parts: sync {1e3 * (compute + comm):.1f} ms, d=1 "
-          f"{1e3 * overlapped_step_seconds(compute, comm):.1f} ms, speedup "
-          f"{(compute + comm) / overlapped_step_seconds(compute, comm):.2f}x")
+          f"d=1 {1e3 * delayed:.1f} ms ({1e3 * min(per_step['d=1']):.1f}-{1e3 * max(per_step['d=1']):.1f}), "
+          f"one worker alone {1e3 * alone:.1f} ms ({1e3 * min(per_step['alone']):.1f}-"
+          f"{1e3 * max(per_step['alone']):.1f}); speedup d=1 vs sync {sync / delayed:.2f}x; per round "
+          f"{', '.join(f'{r:.2f}' for r in ratios)} (median {statistics.median(ratios):.2f}x)")
+    # lbt plan's model: T_comp = the step of one worker alone, T_sync = what the allreduce adds to it.
+    comm = max(sync - alone, 0.0)
+    print(f"parts: compute {1e3 * alone:.1f} ms, allreduce exposed in a synchronous step {1e3 * comm:.1f} ms "
+          f"= {comm / sync:.0%} of it")
+    print(f"lbt plan's model (lbt.plan.step_seconds / overlapped_step_seconds): sync {1e3 * (alone + comm):.1f} ms, "
+          f"d=1 {1e3 * overlapped_step_seconds(alone, comm):.1f} ms, predicted speedup "
+          f"{(alone + comm) / overlapped_step_seconds(alone, comm):.2f}x")
 
 
 def main(argv: list[str] | None = None) -> None:
