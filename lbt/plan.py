@@ -10,6 +10,10 @@ allreduce), evaluated for W = 1, 2, 4, ... workers:
     step      = slowest + allreduce - hidden,  hidden = min(allreduce, overlap x backward)
     epoch     = N / (b W) x step
 
+With gradient delay (`--delay d`, technique gradient_delay; d=1 is double
+buffering) a step's allreduce runs while the next step computes, so a step
+costs max(slowest, allreduce) instead of their sum; the table then shows both.
+
 bytes = 4 x parameters (fp32 gradients; halved by fp16/bf16 compression).
 With W workers an epoch takes N/(bW) steps instead of N/b, so adding workers
 pays only while allreduce(W) stays small against the compute it divides:
@@ -95,7 +99,12 @@ def ring_allreduce_seconds(nbytes: float, workers: int, bandwidth_bytes_per_s: f
         raise ValueError(f"workers must be >= 1, got {workers}")
     if workers == 1:
         return 0.0
-    return 2 * (workers - 1) / workers * nbytes / bandwidth_bytes_per_s + 2 * (workers - 1) * latency_s
+    return ring_bytes_sent(nbytes, workers) / bandwidth_bytes_per_s + 2 * (workers - 1) * latency_s
+
+
+def ring_bytes_sent(nbytes: float, workers: int) -> float:
+    """Bytes each worker sends in a ring allreduce of `nbytes`: 2 (W-1)/W x nbytes (0 for one worker)."""
+    return 2 * (workers - 1) / workers * nbytes
 
 
 def step_seconds(compute_s: float, allreduce_s: float, overlap: float = 0.0, backward_s: float | None = None) -> float:
@@ -112,6 +121,12 @@ def step_seconds(compute_s: float, allreduce_s: float, overlap: float = 0.0, bac
         backward_s = DEFAULT_BACKWARD_SHARE * compute_s
     hidden = min(allreduce_s, overlap * backward_s)
     return compute_s + allreduce_s - hidden
+
+
+def overlapped_step_seconds(compute_s: float, allreduce_s: float) -> float:
+    """One step with a delayed gradient (d >= 1): the allreduce of step t runs during step t+1's compute,
+    so the slower of the two sets the pace (ChainerMN double buffering)."""
+    return max(compute_s, allreduce_s)
 
 
 def expected_max(samples, workers: int) -> float:
@@ -193,6 +208,7 @@ class Row:
     slower: bool  # the epoch takes longer than with the previous (smaller) W
     beyond_critical: bool  # b x W > critical batch
     beyond_dataset: bool  # b x W > N: not even one step per epoch
+    synchronous_step_s: float | None = None  # with --delay: the step without overlap, for comparison
 
 
 def plan_rows(
@@ -203,6 +219,7 @@ def plan_rows(
     compression: str = "none",
     overlap: float = 0.0,
     critical_batch: float | None = None,
+    delay: int = 0,
 ) -> list[Row]:
     """The table over W: step and epoch time, speedup vs W=1 and scaling efficiency."""
     nbytes = gradient_bytes(compute.num_params, compression)
@@ -212,7 +229,8 @@ def plan_rows(
     for w in workers:
         comm = ring_allreduce_seconds(nbytes, w, network.bandwidth_bytes_per_s, network.latency_s)
         slowest = compute.slowest_of(w)
-        step = step_seconds(slowest, comm, overlap, compute.backward_s)
+        synchronous = step_seconds(slowest, comm, overlap, compute.backward_s)
+        step = overlapped_step_seconds(slowest, comm) if delay else synchronous
         epoch = epoch_seconds(step, train_samples, b * w)
         speedup = base_epoch / epoch
         rows.append(Row(
@@ -221,6 +239,7 @@ def plan_rows(
             slower=bool(rows) and epoch > rows[-1].epoch_s,
             beyond_critical=critical_batch is not None and b * w > critical_batch,
             beyond_dataset=b * w > train_samples,
+            synchronous_step_s=synchronous if delay else None,
         ))
     return rows
 
@@ -399,7 +418,10 @@ def _duration(seconds: float) -> str:
 
 
 def format_table(rows: list[Row]) -> str:
+    delayed = bool(rows) and rows[0].synchronous_step_s is not None
     header = ["W", "global batch", "slowest compute ms", "allreduce ms", "step ms", "epoch", "speedup", "efficiency", "note"]
+    if delayed:
+        header[4:5] = ["sync step ms", "delayed step ms"]
     lines = [header]
     for r in rows:
         notes = []
@@ -409,8 +431,9 @@ def format_table(rows: list[Row]) -> str:
             notes.append("B > B_crit")
         if r.beyond_dataset:
             notes.append("B > N")
+        steps = [_ms(r.synchronous_step_s), _ms(r.step_s)] if delayed else [_ms(r.step_s)]
         lines.append([
-            str(r.workers), f"{r.global_batch:,}", _ms(r.compute_s), _ms(r.allreduce_s), _ms(r.step_s),
+            str(r.workers), f"{r.global_batch:,}", _ms(r.compute_s), _ms(r.allreduce_s), *steps,
             _duration(r.epoch_s), f"{r.speedup:,.2f}x", f"{r.efficiency:.0%}", ", ".join(notes),
         ])
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
@@ -519,6 +542,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="gradient compression (halves the bytes; technique comm_compression)")
     parser.add_argument("--overlap", type=float, default=0.0, metavar="FRACTION",
                         help="fraction of the backward pass the allreduce can overlap with (0-1, default 0)")
+    parser.add_argument("--delay", type=int, default=0, metavar="D",
+                        help="gradient delay d (technique gradient_delay; 1 = double buffering): each step's "
+                             "allreduce overlaps the next step's compute, step = max(compute, allreduce); "
+                             "the table shows the synchronous step beside it (default 0: synchronous)")
     parser.add_argument("--max-workers", type=int, default=1024)
     parser.add_argument("--train-samples", "-N", type=int, help="N, training samples per epoch (default 60000)")
     critical = parser.add_mutually_exclusive_group()
@@ -577,6 +604,8 @@ def plan_main(argv: list[str]) -> int:
     try:
         if not 0.0 <= options.overlap <= 1.0:
             raise ValueError(f"--overlap must be in [0, 1], got {options.overlap}")
+        if options.delay < 0:
+            raise ValueError(f"--delay must be >= 0, got {options.delay}")
         for name in ("per_worker_batch", "max_workers", "train_samples", "threads", "repeats", "num_classes"):
             value = getattr(options, name)
             if value is not None and value < 1:
@@ -610,7 +639,7 @@ def plan_main(argv: list[str]) -> int:
             train_samples = train_samples or shape.num_train
         train_samples = train_samples or 60000
         rows = plan_rows(compute, network, worker_counts(options.max_workers), train_samples,
-                         options.compression, options.overlap, critical_batch)
+                         options.compression, options.overlap, critical_batch, options.delay)
     except (ValueError, OSError, KeyError) as error:
         print(f"lbt plan: error: {error}", file=sys.stderr)
         return 2
@@ -625,6 +654,9 @@ def plan_main(argv: list[str]) -> int:
     print(f"network: {network.name}, {network.bandwidth_gbps:g} Gb/s, {network.latency_us:g} us ({network.source})")
     print(f"model: step = slowest of W workers' compute + ring allreduce - min(allreduce, {options.overlap:g} x backward); "
           f"epoch = N/(b W) steps, N={train_samples:,}")
+    if options.delay:
+        print(f"gradient delay d={options.delay}: each allreduce overlaps the next step's compute, delayed step = "
+              "max(slowest compute, allreduce) (the epoch column uses it); sync step = the line above")
     print()
     print(format_table(rows))
     print()

@@ -68,6 +68,9 @@ class Row:
     test_loss_std: float | None = None
     bits_per_char: float | None = None  # a language model's final loss on `split` in bits (data=text)
     test_bits_per_char: float | None = None
+    # Model-sized allreduces per run and the bytes each worker sent (mean over seeds): accuracy against communication.
+    allreduces: float | None = None
+    bytes_sent: float | None = None
 
     def final(self, metric: Metric) -> float:
         """The final value of `metric` on `split` (mean over seeds): final_acc or final_loss."""
@@ -179,6 +182,8 @@ def aggregate(jobs: list[dict], target: float | None, metric: Metric = ACC) -> l
             test_loss=test_loss, test_loss_std=test_loss_std,
             bits_per_char=_optional(_mean_std([_on(j, "final_{}_bits_per_char") for j in trained])[0]),
             test_bits_per_char=_test_mean_std(trained, "test_bits_per_char")[0],
+            allreduces=_mean_std([j["allreduces"] for j in ok if "allreduces" in j])[0] if ok else None,
+            bytes_sent=_mean_std([j["bytes_sent"] for j in ok if "bytes_sent" in j])[0] if ok else None,
         ))
     reference = _reference(rows, metric)
     for row in rows:
@@ -414,7 +419,7 @@ def markdown(rows: list[Row], target: float | None, crit: dict, jobs: list[dict]
                   + [f"final {split} loss", f"best {split} loss", "test loss"] * losses
                   + [f"{split} bits/char", "test bits/char"] * text
                   + [f"gap ({metric.unit}s)", "steps", f"steps to target ({split} {metric.name})",
-                     f"B_simple (last {100 * GNS_WINDOW:g}%)", "samples/s"])
+                     f"B_simple (last {100 * GNS_WINDOW:g}%)", "samples/s", "allreduces", "MB sent per worker"])
         lines += ["", f"## {recipe}", "",
                   "| global batch | world size | seeds | " + " | ".join(header) + " | diverged |",
                   "|---:|---:|---:|" + "---:|" * len(header) + "---|"]
@@ -433,7 +438,8 @@ def markdown(rows: list[Row], target: float | None, crit: dict, jobs: list[dict]
                 cells += [_fmt(r.bits_per_char if mine else None), _fmt(r.test_bits_per_char)]
             cells += [_fmt(r.gap, metric.gap_spec), _fmt(r.steps, ".0f"),
                       _fmt(r.steps_to_target if mine else None, ".0f", r.steps_to_target_std),
-                      _fmt(r.b_simple, ",.0f"), _fmt(r.samples_per_sec, ",.0f"), status]
+                      _fmt(r.b_simple, ",.0f"), _fmt(r.samples_per_sec, ",.0f"), _fmt(r.allreduces, ",.0f"),
+                      _fmt(None if r.bytes_sent is None else r.bytes_sent / 1e6, ",.1f"), status]
             lines.append("| " + " | ".join(cells) + " |")
     failed = [j for j in jobs if "error" in j]
     if failed:

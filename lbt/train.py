@@ -217,6 +217,8 @@ def build_parts(config: dict, ctx: lbt_dist.DistContext, extra_techniques: list[
     plan = plan_batches(ctx.world_size, ctx.procs, trainer_cfg["per_worker_batch"], trainer_cfg["global_batch"],
                         num_train)
     techniques = sort_techniques(build_techniques(config) + list(extra_techniques))
+    for technique in techniques:
+        technique.check_together(techniques)
     torch.manual_seed(trainer_cfg["seed"])  # same initial weights in every process and layout
     model = build(config["model"], "model", input_shape=tuple(data.input_shape), num_classes=data.num_classes)
     check_model_takes(model, data)
@@ -237,6 +239,8 @@ def build_parts(config: dict, ctx: lbt_dist.DistContext, extra_techniques: list[
     for technique in techniques:
         for layout in dict.fromkeys(plans):  # each distinct layout, in order
             technique.check_plan(layout)
+    for technique in techniques:  # after check_plan: a technique knows by now whether its workers are real
+        optimizer = technique.on_optimizer(optimizer, model)
     budget = make_budget(plans, num_train, trainer_cfg["max_steps"])
     optim_cfg = config["optim"]
     schedule = lbt_lr.build_schedule(config["schedule"], optim_cfg["lr"], plan.global_batch, budget,

@@ -10,7 +10,10 @@ with BatchNorm statistics per worker chunk. Sequential (dist.fuse_workers=false)
         (loss_i / k).backward()    # under no_sync() except for the last worker
     DDP averages the summed gradients over the P processes
     -> gradient = mean over W workers = mean over the global batch
-    techniques' after_backward (clipping, measurements); optimizer.step()
+    techniques' after_backward (delay, clipping, measurements); optimizer.step()
+
+Local SGD between simulated workers (lbt/techniques/local_sgd.py) runs that
+step once per worker instead, each on its own model and its b samples.
 
 Forward and loss run under trainer.precision's autocast; with fp16 the
 gradients are unscaled before the techniques and the optimizer read them
@@ -46,6 +49,7 @@ from lbt.metrics.text_log import say
 from lbt.metrics.window import TrainWindow
 from lbt.metrics.timing import StepTimer
 from lbt.objective import ACC, LOSS
+from lbt.plan import BYTES_PER_FP32, ring_bytes_sent
 from lbt.techniques.base import Progress, Technique
 
 
@@ -86,6 +90,10 @@ class Result:
     technique_curves: dict[str, list[list[float]]] = field(default_factory=dict)  # name -> [[samples, value]]
     # mean seconds per step: data, compute (forward+backward), comm (allreduce span), optimizer
     step_seconds: dict[str, float] = field(default_factory=dict)
+    # Model-sized allreduces (gradients, or local SGD's parameter averages) and the bytes each worker
+    # sent for them (ring allreduce of fp32 values): what the run paid in communication.
+    allreduces: int = 0
+    bytes_sent: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -114,6 +122,8 @@ class LoopState:
     step_in_epoch: int = 0
     epoch_loss_sum: float = 0.0  # the epoch's step losses so far, summed over steps and processes
     epoch_loss_count: int = 0  # steps x processes in that sum
+    allreduces: int = 0  # see Result.allreduces
+    bytes_sent: float = 0.0
 
 
 @dataclass
@@ -208,6 +218,7 @@ class Trainer:
         # The held-out split evaluated while training: val, or test when there is no validation split.
         self.eval_split, self.eval_set = ("val", data.val) if data.val is not None else ("test", data.test)
         self.eval_steps = evaluation_steps(budget, settings.evals)
+        self.gradient_bytes = BYTES_PER_FP32 * sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.state, self.result, self.stop_requested = LoopState(), Result(self.eval_split), False
         self.on_step = None
 
@@ -346,6 +357,8 @@ class Trainer:
     def finish(self, started: float) -> None:
         """The test split once, at the end (already done when it is the split evaluated); the run's totals."""
         result, s = self.result, self.state
+        for technique in self.techniques:
+            technique.on_train_end(self.model)
         if self.eval_split == "test":
             result.test_loss, result.test_acc = result.final_loss, result.final_acc
         elif self.data.test is not None and not result.diverged:
@@ -353,6 +366,7 @@ class Trainer:
             self.log.scalars({"test/loss": result.test_loss, "test/acc": result.test_acc}, s.step, s.samples_seen)
         result.best_acc = ACC.best(p.acc for p in result.history)
         result.best_loss = LOSS.best(p.loss for p in result.history)
+        result.allreduces, result.bytes_sent = s.allreduces, s.bytes_sent
         result.steps, result.samples_seen = s.step, s.samples_seen
         result.wall_seconds = time.perf_counter() - started
         result.samples_per_sec = s.samples_seen / max(result.train_seconds, 1e-9)
@@ -377,6 +391,27 @@ class Trainer:
 
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor, plan: BatchPlan,
                    count_correct: bool = False) -> tuple[torch.Tensor, int]:
+        """One optimizer step: synchronous, or each simulated worker on its own model (local SGD).
+
+        Returns this process's mean loss (a detached 0-d tensor) and, when
+        `count_correct`, its number of correct predictions (else 0).
+        """
+        s = self.state
+        runner = next((t for t in self.techniques if t.runs_workers(s.step)), None)
+        if runner is None:
+            loss, correct = self.synchronous_step(inputs, labels, plan, count_correct)
+        else:
+            one = replace(plan, world_size=1, procs=1, global_batch=plan.per_worker_batch)
+            loss, correct = runner.run_workers(
+                s.step, lambda x, y: self.synchronous_step(x, y, one, count_correct), inputs, labels)
+        if plan.world_size > 1:
+            allreduces = next((n for t in self.techniques if (n := t.allreduces_at(s.step)) is not None), 1)
+            s.allreduces += allreduces
+            s.bytes_sent += allreduces * ring_bytes_sent(self.gradient_bytes, plan.world_size)
+        return loss, correct
+
+    def synchronous_step(self, inputs: torch.Tensor, labels: torch.Tensor, plan: BatchPlan,
+                         count_correct: bool = False) -> tuple[torch.Tensor, int]:
         """One synchronous SGD step over this process's virtual workers.
 
         Returns this process's mean loss (a detached 0-d tensor) and, when
@@ -468,6 +503,8 @@ class Trainer:
             totals[1] += (logits.argmax(1) == labels).sum().item()
             totals[2] += labels.numel()  # samples, or tokens of a language model ((N, T) labels)
         all_reduce_sum(totals, self.ctx)
+        for technique in self.techniques:
+            technique.after_evaluate(self.model)
         self.model.train()
         return totals[0].item() / totals[2].item(), totals[1].item() / totals[2].item()
 

@@ -45,6 +45,12 @@ TECHNIQUES = {
                          "optim.betas=[0.99,0.999]"], 14),
     "bn_epoch_average": (["technique=[bn_epoch_average]"], STOP_AT),
     "gns": (["measure=[gns]"], STOP_AT),
+    # The pending averaged gradients (two real processes: their allreduces in flight at the signal).
+    "gradient_delay": (["technique=[gradient_delay]", "technique.gradient_delay.delay=2"], STOP_AT),
+    "gradient_delay_real": (["technique=[gradient_delay]", "dist.procs=2"], STOP_AT),
+    # Each worker's own model (BN statistics included) and optimizer state; real: per rank, and the averager's step.
+    "local_sgd": (["technique=[local_sgd]", "technique.local_sgd.warmup_steps=4"], STOP_AT),
+    "local_sgd_real": (["technique=[local_sgd]", "technique.local_sgd.warmup_steps=4", "dist.procs=2"], STOP_AT),
     # Two real processes: each rank's error feedback is its own.
     "powersgd": (["technique=[comm_compression]", "technique.comm_compression.kind=powersgd", "dist.procs=2"],
                  STOP_AT),

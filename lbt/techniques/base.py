@@ -3,6 +3,7 @@
 Where each hook fires in a run (lbt/train.py builds, lbt/trainer.py loops):
 
     model = build_model()
+    for t in techniques: t.check_together(techniques)             # refuse combinations that cannot work
     for t in techniques: model = t.on_model(model)               # BN swaps, zero-init, ...
     loss_fn = CrossEntropyLoss()
     for t in techniques: loss_fn = t.on_loss(loss_fn)            # label smoothing
@@ -10,26 +11,34 @@ Where each hook fires in a run (lbt/train.py builds, lbt/trainer.py loops):
     for t in techniques: plans = t.plan_epochs(plans, num_train) # batch ramp
     for t in techniques: t.check_plan(plan) for each plan        # refuse a layout it cannot serve
     optimizer = create_optimizer(model)                           # once (lbt/optim/factory.py)
+    for t in techniques: optimizer = t.on_optimizer(optimizer, model)  # local SGD's averaging optimizer
     schedule = build_schedule(...)                                # the LR (lbt/lr.py)
     ddp = DistributedDataParallel(model)                          # when procs > 1
     hook = allreduce                                              # DDP's one communication hook,
-    for t in techniques: hook = t.comm_hook(hook, ddp)            # composed: compression, measurements
+    for t in techniques: hook = t.comm_hook(hook, ddp)            # composed: compression, delay, measurements
     for epoch:
         for t in techniques: t.on_epoch_start(epoch, model)       # BN statistics reset
         for step:
             lr = lr_at(samples_seen, schedule)
-            if a technique wants_worker_gradient:                 # beside the step, changing nothing:
-                t.on_worker_gradient(worker 0's own gradient, per_worker_batch, workers)  # noise scale
-            for worker in local workers: forward, backward        # no_sync but the last (or fused);
+            if a technique t.runs_workers(step):                  # local SGD between simulated workers:
+                t.run_workers(step, one_worker_step, inputs, labels)  # each worker the step below, on its model
+            else: one synchronous step:
+                if a technique wants_worker_gradient:             # beside the step, changing nothing:
+                    t.on_worker_gradient(worker 0's own gradient, per_worker_batch, workers)  # noise scale
+                for worker in local workers: forward, backward    # no_sync but the last (or fused);
                                                                   # forward under trainer.precision's autocast
-                (t.simulated_comm: each simulated worker's gradient compressed, as on its GPU)
-            precision.unscale(optimizer)                          # fp16: true gradients from here on
-            for t in techniques: t.after_backward(model, progress)  # clipping, measurements
-            optimizer.step()
+                    (t.simulated_comm: each simulated worker's gradient compressed, as on its GPU)
+                precision.unscale(optimizer)                      # fp16: true gradients from here on
+                for t in techniques: t.after_backward(model, progress)  # delay, clipping, measurements
+                optimizer.step()
+            allreduces += t.allreduces_at(step) (else 1 when W > 1)  # the run's communication count
             at evaluation steps (log-spaced, and each epoch's end):
-                for t in techniques: t.before_eval(model)         # BN recalibration
-                evaluate(); for t in techniques: t.after_eval(step, samples_seen, acc, loss)
+                for t in techniques: t.before_eval(model)         # BN recalibration, local SGD's average
+                evaluate(); for t in techniques: t.after_evaluate(model)  # the workers' own models back
+                for t in techniques: t.after_eval(step, samples_seen, acc, loss)
         for t in techniques: plans = t.replan(epoch, samples_seen, plans, num_train)  # batch-size warmup
+    for t in techniques: t.on_train_end(model)                    # local SGD's last average
+    evaluate the test split (before_eval / after_evaluate around it)
 
 Techniques run in ascending `order` at every hook (a declared order, so a
 recipe's list order does not matter): model surgery before initialisation
@@ -80,6 +89,9 @@ class Technique:
     # configured one.
     lr_follows_batch: ClassVar[bool] = False
 
+    def check_together(self, techniques: list["Technique"]) -> None:
+        """Refuse, with one ConfigError line, a combination with another listed technique that cannot work."""
+
     def on_model(self, model: nn.Module) -> nn.Module:
         return model
 
@@ -102,6 +114,13 @@ class Technique:
     def check_plan(self, plan: BatchPlan) -> None:
         """Refuse, with one ConfigError line, a batch layout the technique cannot serve as real workers would."""
 
+    def on_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
+        """The optimizer, built once; return it or a wrapper (local SGD's PostLocalSGDOptimizer).
+
+        Called after check_plan, so a technique knows by then whether its workers are real.
+        """
+        return optimizer
+
     def comm_hook(self, inner: CommHook, ddp_model: nn.Module) -> CommHook:
         """The gradient allreduce with this technique's part added (real processes only).
 
@@ -121,8 +140,28 @@ class Technique:
     def after_backward(self, model: nn.Module, progress: Progress) -> None:
         """After the step's gradient is averaged over all workers, before optimizer.step()."""
 
+    def runs_workers(self, step: int) -> bool:
+        """True when this technique runs the step's simulated workers itself, each on its own model."""
+        return False
+
+    def run_workers(self, step: int, worker_step: Callable, inputs: torch.Tensor, labels: torch.Tensor):
+        """Run `worker_step(inputs, labels) -> (loss, correct)` once per simulated worker (each a
+        one-worker synchronous step); return the workers' mean loss and summed correct count."""
+        raise NotImplementedError
+
+    def allreduces_at(self, step: int) -> int | None:
+        """Model-sized allreduces step `step` makes, when the technique changes how many (local SGD);
+        None: one gradient allreduce per step, the synchronous default."""
+        return None
+
     def before_eval(self, model: nn.Module) -> None:
         pass
+
+    def after_evaluate(self, model: nn.Module) -> None:
+        """After each evaluation pass: undo what before_eval changed only for it."""
+
+    def on_train_end(self, model: nn.Module) -> None:
+        """After the last step, before the final test evaluation and the saved model."""
 
     def after_eval(self, step: int, samples_seen: int, acc: float, loss: float) -> None:
         """After each evaluation of the held-out split (val, or test without a validation split)."""

