@@ -545,8 +545,10 @@ class Trainer:
         self.optimizer.load_state_dict(main["optimizer"])
         self.precision.load_state_dict(main.get("precision", {}))  # fp16's loss scale and skipped steps
         self.state = LoopState(**main["loop"])
-        plans = [BatchPlan(**plan) for plan in main.get("plans", ())]
-        if plans and tuple(plans) != self.budget.plans:
+        # Batch layouts an automatic ramp decided; a run extended on resume (more epochs) keeps the last.
+        decided, planned = [BatchPlan(**plan) for plan in main.get("plans", ())], list(self.budget.plans)
+        if decided and decided != planned[:len(decided)]:
+            plans = (decided + [decided[-1]] * len(planned))[:len(planned)]
             self.set_budget(self.budget.replanned(plans, len(self.data.train)))
         self.result = Result.from_dict(main["result"])
         for technique in self.techniques:
