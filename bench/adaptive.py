@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -153,8 +154,6 @@ def report_rule(base_dir: Path, scaled_dir: Path, zero_shot: dict, best: dict) -
         lines.append(f"| {64 * kappa:,} ({kappa}x) | {mean_std(arms['adam_sqrt'])} | {mean_std(arms['linear'])} | "
                      f"{mean_std(arms['none'])} | {mean_std(tuned['tuned']['test_acc'])} | {gaps[kappa]:+.2f} |")
     # Li et al. 2024: Adam's best LR rises, then falls, with the batch. The tuned peak LR per batch:
-    import math
-
     batches = sorted(tuned_lrs)
     slope = (math.log(tuned_lrs[batches[-1]]) - math.log(tuned_lrs[batches[0]])) / math.log(batches[-1] / batches[0])
     lines += ["", "Tuned peak LR per batch (base LR x sqrt(kappa)): " +

@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 from lbt.config import BatchPlan
+from lbt.errors import ConfigError
 
 # A DDP communication hook without its state: reduces one gradient bucket across processes.
 CommHook = Callable[["torch.distributed.GradBucket"], torch.futures.Future]
@@ -183,6 +184,13 @@ class Technique:
 
     def describe(self) -> str:
         return self.name
+
+
+def refuse_together(name: str, techniques: list[Technique], conflicts: dict[str, str]) -> None:
+    """One ConfigError line when a technique named in `conflicts` (name -> why) is selected beside `name`."""
+    for other in techniques:
+        if other.name in conflicts:
+            raise ConfigError(f"technique {name} with {other.name}: {conflicts[other.name]}; use one of them")
 
 
 def sort_techniques(techniques: list[Technique]) -> list[Technique]:

@@ -37,7 +37,7 @@ from torch import nn
 from lbt.config import BatchPlan
 from lbt.dist import note
 from lbt.errors import ConfigError
-from lbt.techniques.base import CommHook, Progress, Technique
+from lbt.techniques.base import CommHook, Progress, Technique, refuse_together
 from lbt.validate import integer
 
 # Techniques that read or replace the allreduce this one launches asynchronously.
@@ -95,10 +95,7 @@ class GradientDelay(Technique):
 
     def check_together(self, techniques: list[Technique]) -> None:
         self.measured = any(t.name == "gns" for t in techniques)
-        for other in techniques:
-            if other.name in CONFLICTS:
-                raise ConfigError(f"technique gradient_delay with {other.name}: {CONFLICTS[other.name]}; "
-                                  "use one of them")
+        refuse_together("gradient_delay", techniques, CONFLICTS)
 
     def check_plan(self, plan: BatchPlan) -> None:
         if self.measured and plan.procs > 1:

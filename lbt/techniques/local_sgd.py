@@ -37,7 +37,7 @@ from torch import nn
 from lbt.config import BatchPlan
 from lbt.dist import note
 from lbt.errors import ConfigError
-from lbt.techniques.base import CommHook, Technique
+from lbt.techniques.base import CommHook, Technique, refuse_together
 from lbt.validate import integer
 
 CONFLICTS = {
@@ -140,10 +140,7 @@ class LocalSGD(Technique):
 
     def check_together(self, techniques: list[Technique]) -> None:
         self.measured = any(t.name == "gns" for t in techniques)
-        for other in techniques:
-            if other.name in CONFLICTS:
-                raise ConfigError(f"technique local_sgd with {other.name}: {CONFLICTS[other.name]}; "
-                                  "use one of them")
+        refuse_together("local_sgd", techniques, CONFLICTS)
 
     def check_plan(self, plan: BatchPlan) -> None:
         key = f"technique.local_sgd.period={self.period}"
