@@ -31,6 +31,7 @@ class DistConfig:
     timeout_s: int = 120
     fuse_workers: bool = True
     max_restarts: int = 0
+    tensor_parallel: int = 1
 
 
 @dataclass
@@ -106,8 +107,10 @@ def check_dist(cfg: dict, under_torchrun: bool) -> None:
 class BatchPlan:
     """Who processes how many samples per optimizer step.
 
-    world_size W workers each run one forward pass of per_worker_batch b
-    samples; procs P real processes each simulate W/P of those workers.
+    world_size W data-parallel workers each run one forward pass of per_worker_batch b
+    samples; procs P real processes each simulate W/P of those workers. With tensor
+    parallelism (T > 1) each of those workers and processes is a group of T GPUs and
+    T processes splitting the model (lbt/tensor_parallel.py): the run uses W x T GPUs.
     """
 
     world_size: int
@@ -116,6 +119,12 @@ class BatchPlan:
     global_batch: int
     # The LR multiplier of a batch ramp that can no longer grow the batch (Smith et al. 2017).
     lr_factor: float = 1.0
+    tensor_parallel: int = 1
+
+    @property
+    def gpus(self) -> int:
+        """The GPUs the run models: data-parallel workers x tensor-parallel ranks (dist.world_size)."""
+        return self.world_size * self.tensor_parallel
 
     @property
     def workers_per_proc(self) -> int:
@@ -137,8 +146,14 @@ class BatchPlan:
 
     def describe(self, num_train: int) -> str:
         simulated = f" x {self.workers_per_proc} simulated" if self.workers_per_proc > 1 else ""
+        if self.tensor_parallel > 1:
+            t = self.tensor_parallel
+            layout = (f"world_size={self.gpus} GPUs = DP {self.world_size} x TP {t} "
+                      f"(procs={self.procs * t} = {self.procs} x {t}{simulated}) ")
+        else:
+            layout = f"world_size={self.world_size} (procs={self.procs}{simulated}) "
         return (
-            f"world_size={self.world_size} (procs={self.procs}{simulated}) "
+            layout +
             f"per_worker_batch={self.per_worker_batch} global_batch={self.global_batch} "
             f"steps/epoch={self.steps_per_epoch(num_train)}"
         )
@@ -150,15 +165,34 @@ def plan_batches(
     per_worker_batch: Optional[int],
     global_batch: Optional[int],
     num_train: Optional[int] = None,
+    tensor_parallel: int = 1,
 ) -> BatchPlan:
-    """Check the batch arithmetic in one place and derive the missing batch size."""
+    """Check the batch arithmetic in one place and derive the missing batch size.
+
+    world_size and procs count GPUs and processes; with tensor_parallel T > 1 the plan's
+    workers are their data-parallel groups, world_size / T of them on procs / T processes.
+    """
     world_size = integer("dist.world_size", world_size)
     procs = integer("dist.procs", procs)
+    tensor_parallel = integer("dist.tensor_parallel", tensor_parallel)
     if world_size % procs:
         raise ConfigError(
             f"dist.procs={procs} does not divide dist.world_size={world_size}: "
             "each process must simulate the same number of workers"
         )
+    if procs % tensor_parallel:
+        raise ConfigError(
+            f"dist.tensor_parallel={tensor_parallel} does not divide dist.procs={procs}: each tensor-parallel "
+            "rank is a process of its own (give dist.procs a multiple of dist.tensor_parallel)"
+        )
+    if tensor_parallel > 1:
+        try:
+            plan = plan_batches(world_size // tensor_parallel, procs // tensor_parallel, per_worker_batch,
+                                global_batch, num_train)
+        except ConfigError as error:
+            raise ConfigError(f"{error} (dist.world_size={world_size} GPUs with dist.tensor_parallel="
+                              f"{tensor_parallel} are {world_size // tensor_parallel} data-parallel workers)") from None
+        return replace(plan, tensor_parallel=tensor_parallel)
     if per_worker_batch is None and global_batch is None:
         per_worker_batch = DEFAULT_PER_WORKER_BATCH
     if per_worker_batch is not None:

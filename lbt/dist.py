@@ -35,12 +35,23 @@ class DistContext:
     rank: int  # this process among the P processes
     procs: int  # P
     local_rank: int
-    world_size: int  # W, the workers the run models
+    world_size: int  # W, the workers (GPUs) the run models
     device: torch.device
+    tensor_parallel: int = 1  # T: consecutive ranks in groups of T split the model (lbt/tensor_parallel.py)
+    mesh: object = None  # with T > 1, the ("dp", "tp") DeviceMesh
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """This process's data-parallel group: the T ranks of a group read the same samples."""
+        return self.rank // self.tensor_parallel
+
+    @property
+    def dp_procs(self) -> int:
+        return self.procs // self.tensor_parallel
 
     @property
     def distributed(self) -> bool:

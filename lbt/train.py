@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lbt import dist as lbt_dist
 from lbt import lr as lbt_lr
+from lbt import tensor_parallel
 from lbt.accel import Precision, check_channels_last
 from lbt.checkpoint import Checkpointer, run_identity
 from lbt.config import (DEFAULT_PER_WORKER_BATCH, BatchPlan, Budget, check_dist, check_trainer, make_budget,
@@ -129,7 +130,11 @@ def check_layout(config: dict, env: dict | None) -> int:
     procs = dist_cfg.get("procs") or lbt_dist.default_procs()
     dist_cfg["procs"] = procs
     dist_cfg["world_size"] = dist_cfg.get("world_size") or procs
-    plan_batches(dist_cfg["world_size"], procs, trainer.get("per_worker_batch"), trainer.get("global_batch"))
+    plan_batches(dist_cfg["world_size"], procs, trainer.get("per_worker_batch"), trainer.get("global_batch"),
+                 tensor_parallel=dist_cfg["tensor_parallel"])
+    if dist_cfg["tensor_parallel"] > 1 and trainer["precision"] == "fp16":
+        raise ConfigError(f"trainer.precision=fp16 with dist.tensor_parallel={dist_cfg['tensor_parallel']}: torch's "
+                          "GradScaler cannot unscale split (DTensor) and replicated gradients together; use bf16")
     return procs
 
 
@@ -169,7 +174,8 @@ def check_run_folder(config: dict, run_dir: str) -> None:
     written: a fresh start over a checkpoint, or a resume of another run's, is a ConfigError.
     The workers check again, with the checksums (`Checkpointer.load_latest`)."""
     dist_cfg, trainer = config["dist"], config["trainer"]
-    plan = plan_batches(dist_cfg["world_size"], dist_cfg["procs"], trainer["per_worker_batch"], trainer["global_batch"])
+    plan = plan_batches(dist_cfg["world_size"], dist_cfg["procs"], trainer["per_worker_batch"], trainer["global_batch"],
+                        tensor_parallel=dist_cfg["tensor_parallel"])
     checkpointer = Checkpointer(Path(run_dir).expanduser(), 0, dist_cfg["procs"],
                                 identity=run_identity(config, plan.per_worker_batch, plan.global_batch))
     if trainer["resume"] == "auto" or lbt_dist.elastic_restarts():  # torchrun restarts resume (see run())
@@ -215,7 +221,7 @@ def build_parts(config: dict, ctx: lbt_dist.DistContext, extra_techniques: list[
     data = build(config["data"], "data")
     num_train = len(data.train)
     plan = plan_batches(ctx.world_size, ctx.procs, trainer_cfg["per_worker_batch"], trainer_cfg["global_batch"],
-                        num_train)
+                        num_train, ctx.tensor_parallel)
     techniques = sort_techniques(build_techniques(config) + list(extra_techniques))
     for technique in techniques:
         technique.check_together(techniques)
@@ -225,11 +231,16 @@ def build_parts(config: dict, ctx: lbt_dist.DistContext, extra_techniques: list[
     for technique in techniques:
         model = technique.on_model(model)
     model.to(ctx.device)
+    if ctx.tensor_parallel > 1:
+        tensor_parallel.refuse_comm_hooks(techniques, ctx.tensor_parallel, ctx.dp_procs)
+        tensor_parallel.parallelize(model, ctx.mesh, str(config["model"]["_target_"]).rsplit(".", 1)[-1])
     if trainer_cfg["channels_last"]:
         check_channels_last(data.input_shape)
         model.to(memory_format=torch.channels_last)
     data = data.to(ctx.device)  # in-memory data lives on the device: batches are gathered there
     optimizer = build(config["optim"], "optim")(model)
+    if ctx.tensor_parallel > 1:
+        tensor_parallel.unfuse(optimizer)
     loss_fn = torch.nn.CrossEntropyLoss()
     for technique in techniques:
         loss_fn = technique.on_loss(loss_fn)
@@ -311,7 +322,9 @@ def _train_process(rank: int, store_port: int | None, config: dict, run_dir: str
         if store_port is None and procs > 1:
             run_dir = _agree_on_run_dir(run_dir)
         stack.enter_context(text_log(run_dir if rank == 0 else None))
-        ctx = lbt_dist.DistContext(rank, procs, local_rank, dist_cfg["world_size"], device)
+        tp = dist_cfg["tensor_parallel"]
+        mesh = tensor_parallel.device_mesh(device, procs, tp) if tp > 1 else None
+        ctx = lbt_dist.DistContext(rank, procs, local_rank, dist_cfg["world_size"], device, tp, mesh)
         started = time.perf_counter()
         parts = build_parts(config, ctx, extra_techniques)
         if ctx.is_main:
@@ -347,7 +360,10 @@ def _train_process(rank: int, store_port: int | None, config: dict, run_dir: str
             logger.close()
             return {"stopped": True, "step": result.steps}
         result.wall_seconds = time.perf_counter() - started
-        summary = _finish(config, parts, result, run_dir, logger) if ctx.is_main else {}
+        model_state = parts.model.state_dict()
+        if ctx.tensor_parallel > 1:  # whole tensors (a collective), as one process would save them
+            model_state = tensor_parallel.full_tensors(model_state)
+        summary = _finish(config, parts, result, run_dir, logger, model_state) if ctx.is_main else {}
         logger.close()
         return summary
 
@@ -380,15 +396,17 @@ def hparams_identity(config: dict, parts: Parts) -> dict[str, str]:
             "techniques": ", ".join(t.describe() for t in parts.techniques) or "none"}
 
 
-def _finish(config: dict, parts: Parts, result: Result, run_dir: str, logger: RunLogger) -> dict:
+def _finish(config: dict, parts: Parts, result: Result, run_dir: str, logger: RunLogger, model_state: dict) -> dict:
     """Write result.json, final_model.pt and the HParams row; print the closing line."""
     plan, base_lr = parts.plan, config["optim"]["lr"]
     peak_lr, peak_samples = lbt_lr.peak(parts.schedule, parts.budget)
     summary = {
         "recipe": config["recipe"],
         "overrides": config["overrides"],
-        "world_size": plan.world_size,
-        "procs": plan.procs,
+        "world_size": plan.gpus,  # GPUs: data-parallel workers x tensor-parallel ranks
+        "procs": plan.procs * plan.tensor_parallel,
+        "tensor_parallel": plan.tensor_parallel,
+        "data_parallel": plan.world_size,
         "per_worker_batch": plan.per_worker_batch,
         "global_batch": plan.global_batch,
         "steps_per_epoch": plan.steps_per_epoch(len(parts.data.train)),
@@ -413,7 +431,7 @@ def _finish(config: dict, parts: Parts, result: Result, run_dir: str, logger: Ru
          **({"hparam/test_acc": result.test_acc} if result.eval_split == "val" and result.test_acc is not None
             else {})},
     )
-    atomic_write(Path(run_dir) / "final_model.pt", lambda f: torch.save(parts.model.state_dict(), f))
+    atomic_write(Path(run_dir) / "final_model.pt", lambda f: torch.save(model_state, f))
     atomic_write(Path(run_dir) / "result.json",
                  lambda f: f.write(json.dumps(summary, indent=2, allow_nan=True).encode()))
     say(f"done: {closing_scores(result, parts.data.token)} steps={result.steps} "

@@ -51,6 +51,7 @@ from lbt.metrics.timing import StepTimer
 from lbt.objective import ACC, LOSS
 from lbt.plan import BYTES_PER_FP32, ring_bytes_sent
 from lbt.techniques.base import Progress, Technique
+from lbt.tensor_parallel import DataParallelGradients, full_tensors, load_full_state, local_parameter_count
 
 
 @dataclass
@@ -199,7 +200,11 @@ class Trainer:
         self.fused = settings.fuse_workers
         self.fuse_simulated_workers(budget)
         self.ddp, self.timer = model, StepTimer(ctx.device)
-        if ctx.distributed:
+        # Tensor parallelism (lbt/tensor_parallel.py): gradients averaged over the data-parallel ranks
+        # without DDP, after the step's passes.
+        self.dp_gradients = DataParallelGradients(model, ctx.mesh["dp"].get_group(), ctx.dp_procs) \
+            if ctx.tensor_parallel > 1 else None
+        if ctx.distributed and self.dp_gradients is None:
             self.ddp = _wrap_ddp(model)
             register_comm_hook(self.ddp, techniques, self.timer)
         # The training forward: DDP's (or the model's), compiled when asked; evaluation and measurements run eager.
@@ -218,13 +223,13 @@ class Trainer:
         # The held-out split evaluated while training: val, or test when there is no validation split.
         self.eval_split, self.eval_set = ("val", data.val) if data.val is not None else ("test", data.test)
         self.eval_steps = evaluation_steps(budget, settings.evals)
-        self.gradient_bytes = BYTES_PER_FP32 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.gradient_bytes = BYTES_PER_FP32 * local_parameter_count(model)  # a GPU's part under tensor parallelism
         self.state, self.result, self.stop_requested = LoopState(), Result(self.eval_split), False
         self.on_step = None
 
     def fuse_simulated_workers(self, budget: Budget) -> None:
         """Per-worker BatchNorm statistics, once some epoch simulates several workers per process."""
-        if self.fused and not self.worker_norms and any(p.world_size > self.ctx.procs for p in budget.plans):
+        if self.fused and not self.worker_norms and any(p.workers_per_proc > 1 for p in budget.plans):
             self.worker_norms = per_worker_batchnorm(self.model, budget.plans[0].per_worker_batch)
 
     def set_budget(self, budget: Budget) -> None:
@@ -294,7 +299,7 @@ class Trainer:
 
     def batches(self, plan: BatchPlan) -> StepBatches:
         if plan not in self.step_batches:
-            self.step_batches[plan] = StepBatches(self.data.train, plan, self.ctx.rank, self.settings.seed,
+            self.step_batches[plan] = StepBatches(self.data.train, plan, self.ctx.dp_rank, self.settings.seed,
                                                   self.ctx.device, self.settings.loader_workers, self.memory_format)
         return self.step_batches[plan]
 
@@ -434,7 +439,7 @@ class Trainer:
             share = pass_workers / workers
             # no_sync: earlier passes only accumulate gradients locally; the
             # last backward lets DDP allreduce the sum, once per step.
-            sync = nullcontext() if last or not self.ctx.distributed else self.ddp.no_sync()
+            sync = nullcontext() if last or self.ddp is self.model else self.ddp.no_sync()
             with sync:
                 with self.precision.autocast():
                     logits = self.forward(pass_inputs)
@@ -452,6 +457,9 @@ class Trainer:
                 correct += int((logits.argmax(1) == pass_labels).sum())
         if self.simulated_comm:
             self.simulated_comm.receive(self.model, sent)
+        if self.dp_gradients is not None:
+            self.timer.phase("comm")
+            self.dp_gradients.average()
         s = self.state
         # What a DDP hook saw is still scaled (fp16): the measurement that reads it divides by this.
         progress = Progress(s.samples_seen, s.step, s.epoch, plan.global_batch, len(self.data.train),
@@ -494,7 +502,8 @@ class Trainer:
             technique.before_eval(self.model)
         self.model.eval()
         totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
-        batches = eval_batches(dataset, self.ctx.rank, self.ctx.procs, self.settings.eval_batch, self.ctx.device,
+        # A tensor-parallel group's ranks evaluate the same samples: its totals count T times, in every ratio.
+        batches = eval_batches(dataset, self.ctx.dp_rank, self.ctx.dp_procs, self.settings.eval_batch, self.ctx.device,
                                self.settings.loader_workers, self.memory_format)
         for inputs, labels in batches:
             with self.precision.autocast():
@@ -528,7 +537,10 @@ class Trainer:
             return
         result = {k: v for k, v in self.result.to_dict().items() if k not in ("stopped", "step_seconds")}
         # The batch plans too: an automatic batch ramp decided them during the run.
-        main = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        model_state, optimizer_state = self.model.state_dict(), self.optimizer.state_dict()
+        if self.ctx.tensor_parallel > 1:  # whole tensors, as one process would save them
+            model_state, optimizer_state = full_tensors(model_state), full_tensors(optimizer_state)
+        main = {"model": model_state, "optimizer": optimizer_state,
                 "loop": asdict(self.state), "result": result, "plans": [asdict(p) for p in self.budget.plans],
                 "precision": self.precision.state_dict()}
         # Every rank's own: its BN statistics, RNG states and technique state (PowerSGD's error feedback).
@@ -538,11 +550,14 @@ class Trainer:
         self.log.flush()
 
     def load_checkpoint(self, main: dict, own: dict) -> None:
-        self.model.load_state_dict(main["model"])
+        if self.ctx.tensor_parallel > 1:
+            load_full_state(self.model, self.optimizer, main["model"], main["optimizer"])
+        else:
+            self.model.load_state_dict(main["model"])
+            self.optimizer.load_state_dict(main["optimizer"])
         buffers = dict(self.model.named_buffers())
         for name, value in own["buffers"].items():  # this rank's own BN statistics
             buffers[name].copy_(value)
-        self.optimizer.load_state_dict(main["optimizer"])
         self.precision.load_state_dict(main.get("precision", {}))  # fp16's loss scale and skipped steps
         self.state = LoopState(**main["loop"])
         # Batch layouts an automatic ramp decided; a run extended on resume (more epochs) keeps the last.

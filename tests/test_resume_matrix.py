@@ -51,6 +51,9 @@ TECHNIQUES = {
     # Each worker's own model (BN statistics included) and optimizer state; real: per rank, and the averager's step.
     "local_sgd": (["technique=[local_sgd]", "technique.local_sgd.warmup_steps=4"], STOP_AT),
     "local_sgd_real": (["technique=[local_sgd]", "technique.local_sgd.warmup_steps=4", "dist.procs=2"], STOP_AT),
+    # Tensor parallelism (2 processes splitting the head, 2 simulated data-parallel workers): checkpoints
+    # hold whole tensors, LARS's momentum included, and are split again on resume.
+    "tensor_parallel": (["dist.procs=2", "dist.world_size=4", "dist.tensor_parallel=2", "optim=lars"], STOP_AT),
     # Two real processes: each rank's error feedback is its own.
     "powersgd": (["technique=[comm_compression]", "technique.comm_compression.kind=powersgd", "dist.procs=2"],
                  STOP_AT),

@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lbt.optim.param_groups import EXCLUDE_FROM_TRUST
+from lbt.tensor_parallel import whole
 
 
 def lamb_trust_ratio(
@@ -97,7 +98,7 @@ class LAMB(Optimizer):
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         if self.max_grad_norm is None or not grads:
             return None
-        norms = torch.stack([torch.linalg.vector_norm(g) for g in grads])
+        norms = torch.stack([whole(torch.linalg.vector_norm(g)) for g in grads])  # whole: split layers' shards
         global_norm = torch.linalg.vector_norm(norms)
         return (global_norm / self.max_grad_norm).clamp(min=1.0)
 

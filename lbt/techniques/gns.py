@@ -22,6 +22,7 @@ from torch import nn
 from lbt.config import BatchPlan
 from lbt.dist import note
 from lbt.techniques.base import CommHook, Progress, Technique
+from lbt.tensor_parallel import whole
 
 
 def finite_population_factor(batch: float, population: float | None) -> float:
@@ -70,7 +71,7 @@ class NoiseScaleEstimator:
 
 def grad_sq_norm(model: nn.Module) -> torch.Tensor:
     grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
-    return torch.stack([g.double().pow(2).sum() for g in grads]).sum()
+    return torch.stack([whole(g.double().pow(2).sum()) for g in grads]).sum()
 
 
 class GradientNoiseScale(Technique):
@@ -103,7 +104,7 @@ class GradientNoiseScale(Technique):
             note("measure gns: one worker in all, so no smaller batch to compare with: no noise scale is measured")
 
     def on_worker_gradient(self, grads: list[torch.Tensor], per_worker_batch: int, workers: int) -> None:
-        self.worker_sq = torch.stack([g.double().pow(2).sum() for g in grads]).sum()
+        self.worker_sq = torch.stack([whole(g.double().pow(2).sum()) for g in grads]).sum()
         self.worker_batch = per_worker_batch
 
     def comm_hook(self, inner: CommHook, ddp_model: nn.Module) -> CommHook:

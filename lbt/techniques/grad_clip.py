@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from lbt.techniques.base import Progress, Technique
+from lbt.tensor_parallel import local, whole
 from lbt.validate import number
 
 
@@ -35,10 +36,10 @@ class GradClip(Technique):
 
     def after_backward(self, model: nn.Module, progress: Progress) -> None:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        self.last_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        self.last_norm = torch.linalg.vector_norm(torch.stack([whole(torch.linalg.vector_norm(g)) for g in grads]))
         coefficient = clip_coefficient(self.last_norm, self.max_norm)
         for grad in grads:
-            grad.mul_(coefficient)
+            local(grad).mul_(coefficient)  # a split layer's shard, or the whole gradient
 
     def describe(self) -> str:
         return f"gradient norm clipped to {self.max_norm:g}"

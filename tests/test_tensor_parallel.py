@@ -1,0 +1,95 @@
+"""Hybrid data x tensor parallelism (lbt/tensor_parallel.py): which layers split, the batch arithmetic,
+and exactness: DP x T on P = DP x T processes takes the steps DP data-parallel workers take."""
+
+import pytest
+from torch import nn
+
+from conftest import final_params, relative_diff, train
+from lbt.config import plan_batches
+from lbt.errors import ConfigError
+from lbt.models.cnn1d import CNN1d
+from lbt.models.mlp import MLP
+from lbt.models.transformer1d import Transformer1d
+from lbt.tensor_parallel import Split, check_splittable, split_plan
+
+STEPS = ["data.num_train=1280", "trainer.epochs=1", "optim.lr=0.05"]  # 1280 / 64 = 20 steps
+
+
+def test_mlp_splits_megatron_pairs_and_keeps_an_unpaired_head_whole():
+    assert split_plan(MLP(hidden=32, num_layers=2)) == [Split("1", "colwise", 32), Split("3", "rowwise", 32)]
+    # four Linears: two pairs, the head is the second pair's rowwise half
+    assert [s.style for s in split_plan(MLP(hidden=32, num_layers=3))] == ["colwise", "rowwise"] * 2
+
+
+def test_a_lone_linear_is_split_with_its_output_gathered():
+    assert split_plan(CNN1d(channels=16)) == [Split("11", "gather", 10)]  # conv part replicated
+    assert split_plan(MLP(num_layers=0)) == [Split("1", "gather", 10)]
+
+
+def test_a_pair_broken_by_a_non_elementwise_module_is_not_split():
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8), nn.Linear(8, 4))
+    assert split_plan(model) == [Split("2", "colwise", 8), Split("3", "rowwise", 8)]
+
+
+def test_transformer_blocks_split_their_mlp():
+    splits = split_plan(Transformer1d(dim=16, depth=2, heads=2, mlp_ratio=2))
+    assert [(s.name, s.style, s.width) for s in splits] == [
+        ("blocks.layers.0.linear1", "colwise", 32), ("blocks.layers.0.linear2", "rowwise", 32),
+        ("blocks.layers.1.linear1", "colwise", 32), ("blocks.layers.1.linear2", "rowwise", 32)]
+
+
+def test_nothing_to_split_or_a_width_t_does_not_divide_is_one_line():
+    with pytest.raises(ConfigError, match="no dense layer to split"):
+        check_splittable(split_plan(nn.Sequential(nn.Conv1d(1, 4, 3), nn.Flatten())), 2, "Net")
+    with pytest.raises(ConfigError, match="does not divide the width 10 of layer 11"):
+        check_splittable(split_plan(CNN1d(channels=16)), 4, "CNN1d")
+
+
+def test_batch_arithmetic_counts_data_parallel_workers():
+    plan = plan_batches(8, 4, 16, None, tensor_parallel=2)
+    assert (plan.world_size, plan.procs, plan.gpus, plan.global_batch) == (4, 2, 8, 64)
+    assert "world_size=8 GPUs = DP 4 x TP 2" in plan.describe(6400)
+    assert plan_batches(8, 4, None, 64, tensor_parallel=2).per_worker_batch == 16
+    with pytest.raises(ConfigError, match="dist.tensor_parallel=4 does not divide dist.procs=2"):
+        plan_batches(4, 2, 16, None, tensor_parallel=4)
+    with pytest.raises(ConfigError, match="4 data-parallel workers"):
+        plan_batches(8, 4, None, 66, tensor_parallel=2)
+
+
+@pytest.mark.slow
+def test_one_group_of_two_equals_one_process(tmp_path):
+    """DP=1 x T=2 on 2 processes = 1 process at the same global batch (BN-free mlp)."""
+    common = ["model=mlp", "model.hidden=64", *STEPS, "trainer.per_worker_batch=64"]
+    split = train(tmp_path / "tp", common + ["dist.procs=2", "dist.world_size=2", "dist.tensor_parallel=2"])
+    single = train(tmp_path / "one", common + ["dist.procs=1", "dist.world_size=1"])
+    assert (split["global_batch"], split["world_size"], split["tensor_parallel"], split["steps"]) == (64, 2, 2, 20)
+    assert relative_diff(final_params(tmp_path / "one"), final_params(tmp_path / "tp")) < 1e-5
+    assert split["final_train_loss"] == pytest.approx(single["final_train_loss"], rel=1e-5)
+    assert split["final_test_acc"] == pytest.approx(single["final_test_acc"], abs=1e-9)
+
+
+@pytest.mark.slow
+def test_norms_over_split_layers_count_every_shard(tmp_path):
+    """A transformer whose blocks' MLPs are split, trained by LAMB with gradient clipping (each rank clips
+    by the whole gradient's norm: the shards' norms summed over the group with the replicated ones'), and
+    the noise scale measured over 4 simulated workers: the split run equals the unsplit one."""
+    common = ["model=transformer1d", "model.dim=16", "model.depth=1", "model.heads=2", "optim=lamb",
+              "optim.lr=0.01", "technique=[grad_clip]", "technique.grad_clip.max_norm=0.1", "measure=[gns]",
+              *STEPS[:2], "trainer.global_batch=64"]
+    split = train(tmp_path / "tp", common + ["dist.procs=2", "dist.world_size=8", "dist.tensor_parallel=2"])
+    single = train(tmp_path / "one", common + ["dist.procs=1", "dist.world_size=4"])
+    assert relative_diff(final_params(tmp_path / "one"), final_params(tmp_path / "tp")) < 1e-5
+    assert split["technique_metrics"]["gns/b_simple"] == pytest.approx(single["technique_metrics"]["gns/b_simple"],
+                                                                       rel=1e-4)
+
+
+@pytest.mark.slow
+def test_two_groups_of_two_equal_two_data_parallel_workers(tmp_path):
+    """DP=2 x T=2 on 4 processes = DP=2 on 2 processes: cnn1d, whose convolutions (and per-worker
+    BatchNorm) are replicated in a group and whose head is split; each group simulates 2 workers."""
+    common = ["model=cnn1d", "model.channels=16", *STEPS, "trainer.global_batch=64"]
+    hybrid = train(tmp_path / "hybrid", common + ["dist.procs=4", "dist.world_size=8", "dist.tensor_parallel=2"])
+    data_parallel = train(tmp_path / "dp", common + ["dist.procs=2", "dist.world_size=4"])
+    assert (hybrid["data_parallel"], hybrid["global_batch"]) == (4, 64)
+    assert relative_diff(final_params(tmp_path / "dp"), final_params(tmp_path / "hybrid")) < 1e-5
+    assert hybrid["final_test_acc"] == pytest.approx(data_parallel["final_test_acc"], abs=1e-9)
