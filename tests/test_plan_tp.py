@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -250,3 +251,28 @@ def test_plan_tensor_parallel_usage_errors(tmp_path, capsys):
     assert "--compression and --delay do not apply" in capsys.readouterr().err
     assert plan_main(["model=mlp", "step_ms=5", "tensor_parallel=16", "max_workers=8", png]) == 2
     assert capsys.readouterr().err.count("\n") == 1  # one line, no traceback
+
+
+# -- bench/plan_check_tp.py's pure parts ----------------------------------------------------------------
+def test_plan_check_tp_predicts_with_lbt_plans_rows(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "bench"))
+    import plan_check_tp
+
+    # The hand-computed 1 x 2 split above: 10 ms of compute, all split; 1 Gb/s, no latency.
+    row = plan_check_tp.predicted_row([0.01] * 4, 1_000_000, _split(), procs=2, tensor_parallel=2,
+                                      per_worker_batch=100, bandwidth_bytes_per_s=125e6, latency_s=0.0,
+                                      train_samples=1000)
+    assert (row.data_parallel, row.tensor_parallel) == (1, 2)
+    assert (row.compute_s, row.tp_comm_s, row.dp_comm_s, row.step_s) == pytest.approx((0.005, 0.00032, 0, 0.00532))
+    assert plan_check_tp.train_overrides(1024, 4, 2, 64, 300) == [
+        "model=mlp", "model.hidden=1024", "data=mnist1d", "dist.world_size=4", "dist.procs=4",
+        "dist.tensor_parallel=2", "trainer.per_worker_batch=64", "trainer.threads=1", "trainer.epochs=1",
+        "trainer.max_steps=300"]
+    assert plan_check_tp.error(0.009, 0.010) == pytest.approx(-0.1)
+    table = plan_check_tp.format_table({(4, 2): {"compute": [0.005], "tp": [0.001], "dp": [0.002], "step": [0.008],
+                                                 "measured": [0.010]},
+                                        (2, 2): {"compute": [0.005], "tp": [0.001], "dp": [0.0], "step": [0.006],
+                                                 "measured": []}})
+    assert table[2] == "| 4 | 2 x 2 | 8.00 ms | 5.00 ms | 1.00 ms | 2.00 ms | 10.00 ms | -20.0% |"
+    assert table[3].endswith("| n/a | n/a |")
+    assert [p for p, t in plan_check_tp.SPLITS if t > 1] == [2, 4, 4]  # P=2: 1x2; P=4: 2x2 and 1x4
