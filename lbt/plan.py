@@ -20,6 +20,9 @@ pays only while allreduce(W) stays small against the compute it divides:
 speedup(W) = epoch(1) / epoch(W), efficiency = speedup / W. Past the critical
 batch (global batch b W > B_crit) the extra workers also cost accuracy.
 
+`--tensor-parallel auto|T` compares, per W, data parallelism alone with DP x T splits (T ranks
+share a worker's batch and split its dense layers: global batch b x DP); formulas in lbt/plan_tp.py.
+
 No Hydra here: pure functions for the formulas (unit-tested), a short
 profiling run for the compute time, and `plan_main(argv)` for the CLI.
 """
@@ -562,7 +565,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-workers", type=int, default=1024)
     parser.add_argument("--train-samples", "-N", type=int, help="N, training samples per epoch (default 60000)")
     critical = parser.add_mutually_exclusive_group()
-    critical.add_argument("--critical-batch", type=float, metavar="B_CRIT", help="mark W with b x W > B_CRIT")
+    critical.add_argument("--critical-batch", type=float, metavar="B_CRIT",
+                          help="mark W with b x W > B_CRIT (b x DP with --tensor-parallel)")
     critical.add_argument("--from-study", metavar="DIR", help="B_crit from a study's summary.json (lbt report)")
     parser.add_argument("--out", help="PNG plot of epoch time and efficiency (default: plan.png beside the "
                                       "--from-result or --from-study input, else runs/plan/plan.png)")

@@ -116,7 +116,8 @@ def why_not(layers: list[SplitLayer], tensor_parallel: int) -> str | None:
     if tensor_parallel == 1:
         return None
     if not layers:
-        return "no dense layer to split (a Linear pair in an nn.Sequential, a transformer block's MLP, or the only Linear)"
+        return ("no dense layer to split (a Linear pair in an nn.Sequential, a transformer block's MLP, "
+                "or the only Linear)")
     for layer in layers:
         if layer.width % tensor_parallel:
             return (f"width {layer.width} of layer {layer.name} ({layer.style} split) is not divisible by "
