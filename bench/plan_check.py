@@ -42,18 +42,19 @@ from lbt.plan import (  # noqa: E402
 )
 
 
-def _profile_worker(rank: int, b: int, repeats: int, out_dir: str) -> None:
-    compute = profile_compute(config_node("model", "cnn1d"), data_shape(config_node("data", "mnist1d")), b,
-                              threads=1, repeats=repeats, name="cnn1d")
+def _profile_worker(rank: int, b: int, repeats: int, out_dir: str, model: dict | None) -> None:
+    compute = profile_compute(model or config_node("model", "cnn1d"), data_shape(config_node("data", "mnist1d")), b,
+                              threads=1, repeats=repeats, name=(model or {}).get("_target_", "cnn1d"))
     Path(out_dir, f"{rank}.json").write_text(json.dumps({"samples": compute.step_samples,
                                                          "params": compute.num_params}))
 
 
-def concurrent_compute(procs: int, b: int, repeats: int) -> tuple[list[float], int]:
+def concurrent_compute(procs: int, b: int, repeats: int, model: dict | None = None) -> tuple[list[float], int]:
     """Per-step compute times (s) of `procs` workers profiling at once in fresh processes, pooled; and the
-    parameter count. lbt plan's step waits for the slowest worker: `expected_max(samples, W)`."""
+    parameter count. lbt plan's step waits for the slowest worker: `expected_max(samples, W)`.
+    `model`: a model config (default cnn1d), on MNIST-1D's shape."""
     with tempfile.TemporaryDirectory(prefix="lbt-plan-check-") as out_dir:
-        mp.start_processes(_profile_worker, args=(b, repeats, out_dir), nprocs=procs, join=True,
+        mp.start_processes(_profile_worker, args=(b, repeats, out_dir, model), nprocs=procs, join=True,
                            start_method="spawn")
         results = [json.loads(Path(out_dir, f"{r}.json").read_text()) for r in range(procs)]
     return [s for r in results for s in r["samples"]], results[0]["params"]

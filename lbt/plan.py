@@ -20,6 +20,9 @@ pays only while allreduce(W) stays small against the compute it divides:
 speedup(W) = epoch(1) / epoch(W), efficiency = speedup / W. Past the critical
 batch (global batch b W > B_crit) the extra workers also cost accuracy.
 
+`--tensor-parallel auto|T` compares, per W, data parallelism alone with DP x T splits (T ranks
+share a worker's batch and split its dense layers: global batch b x DP); formulas in lbt/plan_tp.py.
+
 No Hydra here: pure functions for the formulas (unit-tested), a short
 profiling run for the compute time, and `plan_main(argv)` for the CLI.
 """
@@ -515,7 +518,17 @@ def _parser() -> argparse.ArgumentParser:
                "  lbt plan --model resnet20 --data cifar10 --per-worker-batch 128 --network 25gbe\n"
                "  lbt plan model=resnet20 data=cifar10 per_worker_batch=128 network=25gbe   (the same)\n"
                "  lbt plan --from-result runs/train/X/result.json --network ib-fdr --critical-batch 2048\n"
-               "  lbt plan --model cnn1d --bandwidth-gbps 40 --latency-us 5 --compression fp16 --overlap 0.5",
+               "  lbt plan --model cnn1d --bandwidth-gbps 40 --latency-us 5 --compression fp16 --overlap 0.5\n"
+               "  lbt plan --model mlp --tensor-parallel auto --network nvlink --critical-batch 1024\n"
+               "\n"
+               "tensor parallelism (--tensor-parallel auto|T, lbt/plan_tp.py): W GPUs as DP data-parallel workers\n"
+               "x T tensor-parallel ranks that share each worker's batch, so the global batch is b x DP, not b x W.\n"
+               "The table lists, per W, data parallelism alone (DP x 1) and every DP x T split (auto: T = 2, 4, 8):\n"
+               "step = compute x (1 - s + s/T) + the split layers' activation allreduces among the T ranks\n"
+               "(forward and backward, Megatron-style Linear pairs) + the gradient allreduce over DP of the\n"
+               "parameters each rank holds; s = the split layers' share of the FLOPs. It marks the recommended\n"
+               "split of each W: the fastest epoch whose global batch stays <= the critical batch (the fastest\n"
+               "overall without one). A T that does not divide a split layer's width is left out, with a note.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     source = parser.add_mutually_exclusive_group()
@@ -546,10 +559,14 @@ def _parser() -> argparse.ArgumentParser:
                         help="gradient delay d (technique gradient_delay; 1 = double buffering): each step's "
                              "allreduce overlaps the next step's compute, step = max(compute, allreduce); "
                              "the table shows the synchronous step beside it (default 0: synchronous)")
+    parser.add_argument("--tensor-parallel", metavar="auto|T",
+                        help="compare data parallelism alone with DP x T splits of each W (dist.tensor_parallel): "
+                             "auto tries T = 2, 4, 8; a power of 2 T tries that one (see below)")
     parser.add_argument("--max-workers", type=int, default=1024)
     parser.add_argument("--train-samples", "-N", type=int, help="N, training samples per epoch (default 60000)")
     critical = parser.add_mutually_exclusive_group()
-    critical.add_argument("--critical-batch", type=float, metavar="B_CRIT", help="mark W with b x W > B_CRIT")
+    critical.add_argument("--critical-batch", type=float, metavar="B_CRIT",
+                          help="mark W with b x W > B_CRIT (b x DP with --tensor-parallel)")
     critical.add_argument("--from-study", metavar="DIR", help="B_crit from a study's summary.json (lbt report)")
     parser.add_argument("--out", help="PNG plot of epoch time and efficiency (default: plan.png beside the "
                                       "--from-result or --from-study input, else runs/plan/plan.png)")
@@ -619,8 +636,13 @@ def plan_main(argv: list[str]) -> int:
             raise ValueError("--from-result takes the model of its run: give --model or --from-result, not both")
         if options.step_ms is not None and not options.step_ms > 0:
             raise ValueError(f"--step-ms must be a positive time in ms, got {options.step_ms}")
+        if options.tensor_parallel is not None and (options.compression != "none" or options.delay):
+            raise ValueError("--tensor-parallel: lbt's tensor-parallel runs average gradients without DDP's hooks, "
+                             "so --compression and --delay do not apply to them; drop those")
         if options.from_result:
             compute, result_samples = compute_from_result(options.from_result)
+            config = json.loads(Path(options.from_result).read_text())["config"]
+            model, shape, name = config["model"], data_shape(config["data"]), config["model"]["_target_"]
             if options.per_worker_batch and options.per_worker_batch != compute.per_worker_batch:
                 raise ValueError(f"--per-worker-batch {options.per_worker_batch} differs from the result's "
                                  f"{compute.per_worker_batch}: the measured time holds for that batch only")
@@ -630,16 +652,24 @@ def plan_main(argv: list[str]) -> int:
             shape = shape._replace(input_shape=tuple(options.input_shape or shape.input_shape),
                                    num_classes=options.num_classes or shape.num_classes)
             name = options.model or "cnn1d"
+            model = model_node(name)
             if options.step_ms is not None:
-                compute = compute_from_step_ms(options.step_ms, model_node(name), shape,
-                                               options.per_worker_batch or 64, name)
+                compute = compute_from_step_ms(options.step_ms, model, shape, options.per_worker_batch or 64, name)
             else:
-                compute = profile_compute(model_node(name), shape, options.per_worker_batch or 64,
+                compute = profile_compute(model, shape, options.per_worker_batch or 64,
                                           options.threads, options.repeats, name=name)
             train_samples = train_samples or shape.num_train
         train_samples = train_samples or 60000
-        rows = plan_rows(compute, network, worker_counts(options.max_workers), train_samples,
-                         options.compression, options.overlap, critical_batch, options.delay)
+        if options.tensor_parallel is not None:
+            from lbt import plan_tp
+
+            split = plan_tp.model_split(model, shape, name)
+            choices = plan_tp.tensor_parallel_options(options.tensor_parallel, options.max_workers)
+            split_rows = plan_tp.split_rows(compute, split, network, worker_counts(options.max_workers), choices,
+                                            train_samples, options.overlap, critical_batch)
+        else:
+            rows = plan_rows(compute, network, worker_counts(options.max_workers), train_samples,
+                             options.compression, options.overlap, critical_batch, options.delay)
     except (ValueError, OSError, KeyError) as error:
         print(f"lbt plan: error: {error}", file=sys.stderr)
         return 2
@@ -657,15 +687,26 @@ def plan_main(argv: list[str]) -> int:
     if options.delay:
         print(f"gradient delay d={options.delay}: each allreduce overlaps the next step's compute, delayed step = "
               "max(slowest compute, allreduce) (the epoch column uses it); sync step = the line above")
+    title = (f"b={compute.per_worker_batch}, {compute.num_params:,} params, {network.name} "
+             f"({network.bandwidth_gbps:g} Gb/s, {network.latency_us:g} us), N={train_samples:,}"
+             + (f", {options.compression}" if options.compression != "none" else "")
+             + (f", overlap {options.overlap:g}" if options.overlap else ""))
+    if options.tensor_parallel is not None:
+        for line in plan_tp.describe_split(split, compute.per_worker_batch, choices, name):
+            print(line)
+        print()
+        print(plan_tp.format_split_table(split_rows))
+        print()
+        for line in plan_tp.summarize_splits(split_rows, critical_batch):
+            print(line)
+        path = plan_tp.plot_splits(split_rows, plot_path(options), title, critical_batch)
+        print(f"plot: {path.resolve()}")
+        return 0
     print()
     print(format_table(rows))
     print()
     for line in summarize(rows, critical_batch):
         print(line)
-    title = (f"b={compute.per_worker_batch}, {compute.num_params:,} params, {network.name} "
-             f"({network.bandwidth_gbps:g} Gb/s, {network.latency_us:g} us), N={train_samples:,}"
-             + (f", {options.compression}" if options.compression != "none" else "")
-             + (f", overlap {options.overlap:g}" if options.overlap else ""))
     path = plot(rows, plot_path(options), title, critical_batch)
     print(f"plot: {path.resolve()}")
     return 0

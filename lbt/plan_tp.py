@@ -1,0 +1,438 @@
+"""`lbt plan --tensor-parallel`: more GPUs without a bigger batch, by splitting the dense layers.
+
+W GPUs run as DP data-parallel workers x T tensor-parallel ranks (W = DP x T). The T ranks of a
+group compute the same per-worker batch b, each with 1/T of every split dense layer, so the
+global batch is b x DP, not b x W (Krizhevsky 2014, "One weird trick": data parallelism for the
+convolutions, model parallelism for the dense layers). One step of a DP x T split:
+
+    compute = slowest worker's compute x (1 - s + s / T)      s = the split layers' share of the FLOPs
+    tp comm = sum over the split layers' collectives among the T ranks, b x bytes-per-sample each:
+              allreduce  2 (T-1)/T x bytes / bandwidth + 2 (T-1) x latency   (ring)
+              all-gather   (T-1)/T x bytes / bandwidth +   (T-1) x latency   (ring, half an allreduce)
+    dp comm = ring allreduce over DP workers of 4 x (replicated params + split params / T)
+    step    = compute + tp comm + dp comm
+    epoch   = N / (b DP) x step
+
+T=1 is lbt plan's data-parallel step (its overlap applies there). With T > 1 every term is on the
+critical path: the activation collectives sit between layers, and lbt's tensor-parallel runs
+average gradients after the backward without DDP (no overlap, no compression hooks).
+
+Which layers split, the runtime's rule (lbt/tensor_parallel.py; Megatron-LM's split):
+- consecutive nn.Linear pairs in an nn.Sequential (only elementwise modules between) and the MLP
+  of every nn.TransformerEncoderLayer (linear1, linear2) become (colwise, rowwise): forward one
+  allreduce of the pair's output (b x out_features of the second), backward one allreduce of the
+  first layer's input gradient (b x in_features; none when that input needs no gradient, as the
+  data of an MLP's first layer);
+- a model without a pair splits its only Linear (cnn1d's head, mlp with num_layers=0) colwise with
+  the output gathered: forward one all-gather of b x out_features, backward one allreduce of
+  b x in_features (again only when the input needs a gradient);
+- everything else (convolutions, norms, embeddings, attention, an unpaired head) is replicated.
+Bytes are fp32; per sample they count every position (a transformer's tokens), read from one
+forward pass. A split width T does not divide makes that T impossible for the model.
+
+Dettmers' arithmetic ("How to Parallelize Deep Learning on GPUs, Part 2/2", 2014): with 2 GPUs,
+batch 128 and a 1000x500 layer, data parallelism sends the 500,000 weight gradients; the split
+layer sends its 128 x 500 activations forward and their gradients backward, 128,000 numbers: about
+a quarter (tests/test_plan_tp.py computes it with these functions).
+
+The compute split assumes time follows FLOPs (torch's FlopCounterMode over one forward + backward:
+matmuls and convolutions, not elementwise work), and that the optimizer step splits alike.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, replace
+
+from lbt.plan import (
+    Compute,
+    Network,
+    _duration,
+    _ms,
+    epoch_seconds,
+    gradient_bytes,
+    ring_allreduce_seconds,
+    step_seconds,
+)
+
+# `--tensor-parallel auto` tries T = 2, 4, 8: a tensor-parallel group should stay inside one node's
+# fast links (NVLink joins 8 GPUs), its activation allreduces run every layer.
+AUTO_MAX_TENSOR_PARALLEL = 8
+
+
+# -- which layers split (the runtime's rule) -------------------------------------------------------
+@dataclass(frozen=True)
+class SplitLayer:
+    """One split Linear: 'colwise' (output features sharded), 'rowwise' (input features sharded) or
+    'gather' (colwise, its output gathered back to every rank); `width` is the sharded dimension."""
+
+    name: str
+    style: str
+    width: int
+
+
+def split_layers(model) -> list[SplitLayer]:
+    """The Linears lbt's tensor parallelism splits, by the rule in this module's docstring."""
+    from torch import nn
+
+    splits: list[SplitLayer] = []
+    for prefix, module in model.named_modules():
+        dotted = f"{prefix}." if prefix else ""
+        if isinstance(module, nn.TransformerEncoderLayer):
+            splits += [SplitLayer(f"{dotted}linear1", "colwise", module.linear1.out_features),
+                       SplitLayer(f"{dotted}linear2", "rowwise", module.linear2.in_features)]
+        elif isinstance(module, nn.Sequential):
+            splits += _sequential_pairs(module, dotted)
+    if splits:
+        return splits
+    linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+    if len(linears) == 1:
+        name, linear = linears[0]
+        return [SplitLayer(name, "gather", linear.out_features)]
+    return []
+
+
+def _sequential_pairs(sequence, dotted: str) -> list[SplitLayer]:
+    from torch import nn
+
+    # Modules that act on each activation alone: a pair split around them stays exact.
+    elementwise = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.Dropout, nn.Identity)
+    pairs, first = [], None
+    for name, child in sequence.named_children():
+        if type(child) is nn.Linear:
+            if first is None:
+                first = (name, child)
+                continue
+            pairs += [SplitLayer(f"{dotted}{first[0]}", "colwise", first[1].out_features),
+                      SplitLayer(f"{dotted}{name}", "rowwise", child.in_features)]
+            first = None
+        elif not isinstance(child, elementwise):
+            first = None
+    return pairs
+
+
+def why_not(layers: list[SplitLayer], tensor_parallel: int) -> str | None:
+    """Why T cannot split this model (None: it can)."""
+    if tensor_parallel == 1:
+        return None
+    if not layers:
+        return ("no dense layer to split (a Linear pair in an nn.Sequential, a transformer block's MLP, "
+                "or the only Linear)")
+    for layer in layers:
+        if layer.width % tensor_parallel:
+            return (f"width {layer.width} of layer {layer.name} ({layer.style} split) is not divisible by "
+                    f"{tensor_parallel}")
+    return None
+
+
+# -- what a split costs, per sample -----------------------------------------------------------------
+@dataclass(frozen=True)
+class Collective:
+    """One activation collective among a group's T ranks per step; bytes of the whole tensor per sample."""
+
+    layer: str
+    op: str  # "allreduce" or "allgather"
+    phase: str  # "forward" or "backward"
+    bytes_per_sample: int
+
+
+@dataclass(frozen=True)
+class DenseSplit:
+    """What splitting a model's dense layers costs, independent of T."""
+
+    layers: tuple[SplitLayer, ...]
+    collectives: tuple[Collective, ...]
+    sharded_params: int  # held 1/T per rank
+    replicated_params: int  # held whole by every rank (a rowwise layer's bias among them)
+    dense_share: float  # s: the split layers' share of a step's FLOPs
+
+    def local_params(self, tensor_parallel: int) -> int:
+        """Parameters one rank holds: what its data-parallel allreduce carries."""
+        return self.replicated_params + self.sharded_params // tensor_parallel
+
+
+def dense_split(model, example) -> DenseSplit:
+    """Collectives, parameter split and FLOP share of the model's split layers, from one forward and
+    backward of `example` (a batch; its requires_grad says whether the input needs a gradient).
+
+    Pure: runs on a copy of the model, in training mode (torch's fused inference path of a
+    TransformerEncoderLayer would skip the Linears' hooks).
+    """
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = copy.deepcopy(model).train()
+    layers = split_layers(model)
+    modules = dict(model.named_modules())
+    seen: dict[str, tuple[int, int, bool]] = {}  # name -> input numel, output numel, input needs grad
+
+    def record(name):
+        def hook(module, inputs, output) -> None:  # returns None: the output stays as it is
+            seen.setdefault(name, (inputs[0].numel(), output.numel(), inputs[0].requires_grad))
+        return hook
+
+    hooks = [modules[layer.name].register_forward_hook(record(layer.name)) for layer in layers]
+    try:
+        with FlopCounterMode(display=False) as counter:
+            output = model(example)
+            output.float().sum().backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    batch = example.shape[0]
+    collectives: list[Collective] = []
+    split_flops = 0
+    sharded = 0
+    for layer in layers:
+        module = modules[layer.name]
+        numel_in, numel_out, input_grad = seen[layer.name]
+        positions = numel_out // module.out_features  # rows of the matmul: tokens x batch
+        # forward and weight gradient, plus the input gradient when autograd computes it
+        split_flops += 2 * module.in_features * module.out_features * positions * (3 if input_grad else 2)
+        in_bytes, out_bytes = 4 * numel_in // batch, 4 * numel_out // batch
+        if layer.style == "rowwise":
+            collectives.append(Collective(layer.name, "allreduce", "forward", out_bytes))
+        if layer.style == "gather":
+            collectives.append(Collective(layer.name, "allgather", "forward", out_bytes))
+        if layer.style in ("colwise", "gather") and input_grad:
+            collectives.append(Collective(layer.name, "allreduce", "backward", in_bytes))
+        sharded += module.weight.numel()
+        if module.bias is not None and layer.style != "rowwise":  # RowwiseParallel keeps the bias whole
+            sharded += module.bias.numel()
+    total = sum(p.numel() for p in model.parameters())
+    share = split_flops / counter.get_total_flops() if counter.get_total_flops() else 0.0
+    return DenseSplit(tuple(layers), tuple(collectives), sharded, total - sharded, min(share, 1.0))
+
+
+def example_input(shape, batch: int = 2):
+    """A batch of random inputs of the data's shape (token ids for a language model), as lbt plan profiles."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    if shape.token:
+        return torch.randint(0, shape.num_classes or 1000, (batch, *shape.input_shape), generator=generator)
+    return torch.randn(batch, *shape.input_shape, generator=generator)
+
+
+def model_split(model: dict, shape, name: str) -> DenseSplit:
+    """`dense_split` of a model config (lbt plan's --model or a result's) on a batch of the data's shape."""
+    import torch
+
+    from lbt.plan import build_model
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        net = build_model(model, shape)
+    try:
+        return dense_split(net, example_input(shape))
+    except RuntimeError as error:
+        raise ValueError(f"{name} cannot take inputs of shape {shape.input_shape} "
+                         f"({str(error).splitlines()[0]}): choose the data it is meant for, or give --input-shape") \
+            from None
+
+
+# -- the formulas -----------------------------------------------------------------------------------
+def ring_allgather_seconds(nbytes: float, workers: int, bandwidth_bytes_per_s: float, latency_s: float) -> float:
+    """Ring all-gather of a tensor of `nbytes` in all (each worker holds 1/W): W-1 steps of nbytes/W."""
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    return (workers - 1) / workers * nbytes / bandwidth_bytes_per_s + (workers - 1) * latency_s
+
+
+def tp_comm_seconds(collectives, per_worker_batch: int, tensor_parallel: int, network: Network) -> float:
+    """One step's activation collectives among the T ranks of a group, each of b x bytes-per-sample."""
+    seconds = 0.0
+    for c in collectives:
+        collective = ring_allreduce_seconds if c.op == "allreduce" else ring_allgather_seconds
+        seconds += collective(per_worker_batch * c.bytes_per_sample, tensor_parallel,
+                              network.bandwidth_bytes_per_s, network.latency_s)
+    return seconds
+
+
+def tp_compute_seconds(compute_s: float, dense_share: float, tensor_parallel: int) -> float:
+    """A rank's compute: the split share s divided among T ranks, the rest replicated."""
+    return compute_s * (1.0 - dense_share + dense_share / tensor_parallel)
+
+
+def tensor_parallel_options(value: str, max_workers: int) -> list[int]:
+    """T values to compare: `auto` -> 1, 2, 4, 8 (AUTO_MAX_TENSOR_PARALLEL); a power of 2 T -> 1 and T."""
+    if value == "auto":
+        return [t for t in (1, 2, 4, 8) if t <= min(AUTO_MAX_TENSOR_PARALLEL, max_workers)]
+    try:
+        t = int(value)
+    except ValueError:
+        t = 0
+    if t < 1 or t & (t - 1):
+        raise ValueError(f"--tensor-parallel must be auto or a power of 2 (1, 2, 4, ...), got {value!r}")
+    if t > max_workers:
+        raise ValueError(f"--tensor-parallel {t} exceeds --max-workers {max_workers}: T ranks are T GPUs")
+    return sorted({1, t})
+
+
+@dataclass(frozen=True)
+class SplitRow:
+    workers: int  # W GPUs
+    tensor_parallel: int  # T ranks per group
+    data_parallel: int  # DP = W / T workers
+    global_batch: int  # b x DP
+    compute_s: float
+    tp_comm_s: float
+    dp_comm_s: float
+    step_s: float
+    epoch_s: float
+    speedup: float  # epoch on 1 GPU / this epoch
+    beyond_critical: bool  # b x DP > critical batch
+    beyond_dataset: bool  # b x DP > N
+    recommended: bool = False
+
+
+def split_rows(
+    compute: Compute,
+    split: DenseSplit,
+    network: Network,
+    workers: list[int],
+    tensor_parallel: list[int],
+    train_samples: int,
+    overlap: float = 0.0,
+    critical_batch: float | None = None,
+) -> list[SplitRow]:
+    """Per W: DP-only and every DP x T split that T divides (and that the model allows), with the
+    recommended split of each W marked (`recommend`)."""
+    b = compute.per_worker_batch
+    base_epoch = epoch_seconds(compute.slowest_of(1), train_samples, b)
+    rows: list[SplitRow] = []
+    for w in workers:
+        group = []
+        for t in tensor_parallel:
+            if t > w or w % t or why_not(list(split.layers), t):
+                continue
+            dp = w // t
+            slowest = compute.slowest_of(w)
+            dp_comm = ring_allreduce_seconds(gradient_bytes(split.local_params(t)), dp,
+                                             network.bandwidth_bytes_per_s, network.latency_s)
+            if t == 1:  # lbt plan's data-parallel step, DDP's overlap and all
+                compute_s, tp_comm = slowest, 0.0
+                step = step_seconds(slowest, dp_comm, overlap, compute.backward_s)
+            else:
+                compute_s = tp_compute_seconds(slowest, split.dense_share, t)
+                tp_comm = tp_comm_seconds(split.collectives, b, t, network)
+                step = compute_s + tp_comm + dp_comm
+            epoch = epoch_seconds(step, train_samples, b * dp)
+            group.append(SplitRow(w, t, dp, b * dp, compute_s, tp_comm, dp_comm, step, epoch, base_epoch / epoch,
+                                  beyond_critical=critical_batch is not None and b * dp > critical_batch,
+                                  beyond_dataset=b * dp > train_samples))
+        best = recommend(group, critical_batch)
+        rows += [replace(r, recommended=r is best) for r in group]
+    return rows
+
+
+def recommend(group: list[SplitRow], critical_batch: float | None) -> SplitRow | None:
+    """The fastest epoch among one W's splits whose global batch stays at or below the critical batch
+    (all of them without one); when every split exceeds it, the fastest of the smallest global batch."""
+    if not group:
+        return None
+    within = [r for r in group if critical_batch is None or r.global_batch <= critical_batch]
+    if not within:
+        smallest = min(r.global_batch for r in group)
+        within = [r for r in group if r.global_batch == smallest]
+    return min(within, key=lambda r: r.epoch_s)
+
+
+# -- output -----------------------------------------------------------------------------------------
+def format_split_table(rows: list[SplitRow]) -> str:
+    header = ["W", "DP x T", "global batch", "compute ms", "TP comm ms", "DP allreduce ms", "step ms", "epoch",
+              "speedup", "note"]
+    lines: list[list[str] | None] = [header]
+    for i, r in enumerate(rows):
+        if i and r.workers != rows[i - 1].workers:
+            lines.append(None)  # a blank line between GPU counts
+        notes = (["<- recommended"] if r.recommended else []) + (["B > B_crit"] if r.beyond_critical else []) \
+            + (["B > N"] if r.beyond_dataset else [])
+        lines.append([str(r.workers), f"{r.data_parallel} x {r.tensor_parallel}", f"{r.global_batch:,}",
+                      _ms(r.compute_s), _ms(r.tp_comm_s), _ms(r.dp_comm_s), _ms(r.step_s), _duration(r.epoch_s),
+                      f"{r.speedup:,.2f}x", ", ".join(notes)])
+    cells = [line for line in lines if line is not None]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(header))]
+    out = []
+    for k, line in enumerate(lines):
+        if line is None:
+            out.append("")
+            continue
+        out.append("  ".join(c.rjust(w) if i < len(line) - 1 else c
+                             for i, (c, w) in enumerate(zip(line, widths))).rstrip())
+        if k == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def summarize_splits(rows: list[SplitRow], critical_batch: float | None) -> list[str]:
+    chosen = [r for r in rows if r.recommended]
+    lines = ["recommended split per W: " + ", ".join(f"W={r.workers}: {r.data_parallel} x {r.tensor_parallel}"
+                                                      for r in chosen)]
+    hybrid = [r for r in chosen if r.tensor_parallel > 1]
+    rule = "fastest epoch" + (f" with global batch <= B_crit={critical_batch:,.0f}" if critical_batch else "")
+    if hybrid:
+        lines.append(f"tensor parallelism recommended from W={hybrid[0].workers} on ({rule})")
+    else:
+        lines.append(f"data parallelism alone at every W ({rule})")
+    stuck = [r.workers for r in chosen if r.beyond_critical]
+    if stuck:
+        lines.append(f"from W={stuck[0]} on every split's global batch exceeds B_crit: the one closest to it is shown")
+    return lines
+
+
+def plot_splits(rows: list[SplitRow], path, title: str, critical_batch: float | None):
+    """Epoch time and global batch vs W: data parallelism alone and the recommended split."""
+    from pathlib import Path
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dp_only = [r for r in rows if r.tensor_parallel == 1]
+    chosen = [r for r in rows if r.recommended]
+    fig, (ax_time, ax_batch) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, value, label in ((ax_time, "epoch_s", "epoch time (s)"), (ax_batch, "global_batch", "global batch")):
+        ax.plot([r.workers for r in dp_only], [getattr(r, value) for r in dp_only], "o-", label="data parallel only")
+        ax.plot([r.workers for r in chosen], [getattr(r, value) for r in chosen], "s--", color="tab:purple",
+                label="recommended DP x T")
+        for r in chosen:
+            if r.tensor_parallel > 1:
+                ax.annotate(f"T={r.tensor_parallel}", (r.workers, getattr(r, value)), fontsize=7,
+                            textcoords="offset points", xytext=(4, -10))
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("GPUs W")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    if critical_batch:
+        ax_batch.axhline(critical_batch, color="tab:orange", linestyle=":", label=f"B_crit={critical_batch:,.0f}")
+    for ax in (ax_time, ax_batch):
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def describe_split(split: DenseSplit, per_worker_batch: int, tensor_parallel: list[int], name: str) -> list[str]:
+    """What the rule splits in this model, what it sends per step and which T it rules out: the lines
+    above the table."""
+    impossible = [f"note: T={t} impossible for {name}: {why_not(list(split.layers), t)} (left out of the table)"
+                  for t in tensor_parallel if why_not(list(split.layers), t)]
+    if not split.layers:
+        return [f"tensor parallel: {name} has nothing to split (no Linear pair, no only Linear): DP only", *impossible]
+    layers = ", ".join(f"{name}.{layer.name} ({layer.style})" for layer in split.layers)
+    kinds = [(c.op, c.phase, c.bytes_per_sample) for c in split.collectives]
+    sends = ", ".join(f"{kinds.count(k)} x {k[0]} {k[1]} of {per_worker_batch * k[2] / 1e3:,.1f} kB"
+                      for k in dict.fromkeys(kinds)) or "nothing"
+    return [f"tensor parallel: splits {layers}; {split.sharded_params:,} of "
+            f"{split.sharded_params + split.replicated_params:,} parameters sharded, "
+            f"{split.dense_share:.1%} of the FLOPs",
+            f"  per step among the T ranks at b={per_worker_batch}: {sends}",
+            "  step = compute x (1 - s + s/T) + activation collectives over T + gradient allreduce over DP of "
+            "(replicated + sharded/T) x 4 bytes; DP x 1 rows are the data-parallel model above", *impossible]
