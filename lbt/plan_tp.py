@@ -54,75 +54,11 @@ from lbt.plan import (
     ring_allreduce_seconds,
     step_seconds,
 )
+from lbt.tensor_parallel import Split, split_plan, why_not
 
 # `--tensor-parallel auto` tries T = 2, 4, 8: a tensor-parallel group should stay inside one node's
 # fast links (NVLink joins 8 GPUs), its activation allreduces run every layer.
 AUTO_MAX_TENSOR_PARALLEL = 8
-
-
-# -- which layers split (the runtime's rule) -------------------------------------------------------
-@dataclass(frozen=True)
-class SplitLayer:
-    """One split Linear: 'colwise' (output features sharded), 'rowwise' (input features sharded) or
-    'gather' (colwise, its output gathered back to every rank); `width` is the sharded dimension."""
-
-    name: str
-    style: str
-    width: int
-
-
-def split_layers(model) -> list[SplitLayer]:
-    """The Linears lbt's tensor parallelism splits, by the rule in this module's docstring."""
-    from torch import nn
-
-    splits: list[SplitLayer] = []
-    for prefix, module in model.named_modules():
-        dotted = f"{prefix}." if prefix else ""
-        if isinstance(module, nn.TransformerEncoderLayer):
-            splits += [SplitLayer(f"{dotted}linear1", "colwise", module.linear1.out_features),
-                       SplitLayer(f"{dotted}linear2", "rowwise", module.linear2.in_features)]
-        elif isinstance(module, nn.Sequential):
-            splits += _sequential_pairs(module, dotted)
-    if splits:
-        return splits
-    linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
-    if len(linears) == 1:
-        name, linear = linears[0]
-        return [SplitLayer(name, "gather", linear.out_features)]
-    return []
-
-
-def _sequential_pairs(sequence, dotted: str) -> list[SplitLayer]:
-    from torch import nn
-
-    # Modules that act on each activation alone: a pair split around them stays exact.
-    elementwise = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.Dropout, nn.Identity)
-    pairs, first = [], None
-    for name, child in sequence.named_children():
-        if type(child) is nn.Linear:
-            if first is None:
-                first = (name, child)
-                continue
-            pairs += [SplitLayer(f"{dotted}{first[0]}", "colwise", first[1].out_features),
-                      SplitLayer(f"{dotted}{name}", "rowwise", child.in_features)]
-            first = None
-        elif not isinstance(child, elementwise):
-            first = None
-    return pairs
-
-
-def why_not(layers: list[SplitLayer], tensor_parallel: int) -> str | None:
-    """Why T cannot split this model (None: it can)."""
-    if tensor_parallel == 1:
-        return None
-    if not layers:
-        return ("no dense layer to split (a Linear pair in an nn.Sequential, a transformer block's MLP, "
-                "or the only Linear)")
-    for layer in layers:
-        if layer.width % tensor_parallel:
-            return (f"width {layer.width} of layer {layer.name} ({layer.style} split) is not divisible by "
-                    f"{tensor_parallel}")
-    return None
 
 
 # -- what a split costs, per sample -----------------------------------------------------------------
@@ -140,7 +76,7 @@ class Collective:
 class DenseSplit:
     """What splitting a model's dense layers costs, independent of T."""
 
-    layers: tuple[SplitLayer, ...]
+    layers: tuple[Split, ...]
     collectives: tuple[Collective, ...]
     sharded_params: int  # held 1/T per rank
     replicated_params: int  # held whole by every rank (a rowwise layer's bias among them)
@@ -162,7 +98,7 @@ def dense_split(model, example) -> DenseSplit:
     from torch.utils.flop_counter import FlopCounterMode
 
     model = copy.deepcopy(model).train()
-    layers = split_layers(model)
+    layers = split_plan(model)
     modules = dict(model.named_modules())
     seen: dict[str, tuple[int, int, bool]] = {}  # name -> input numel, output numel, input needs grad
 

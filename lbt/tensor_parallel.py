@@ -92,17 +92,24 @@ def _sequential_pairs(sequence: nn.Sequential, dotted: str) -> list[Split]:
     return pairs
 
 
-def check_splittable(splits: list[Split], tensor_parallel: int, model_name: str) -> None:
-    """One line for a model with nothing to split, or a split width T does not divide."""
+def why_not(splits: list[Split], tensor_parallel: int) -> str | None:
+    """Why T cannot split a model with these splits (None: it can)."""
+    if tensor_parallel == 1:
+        return None
     if not splits:
-        raise ConfigError(f"dist.tensor_parallel={tensor_parallel}: {model_name} has no dense layer to split "
-                          "(lbt splits pairs of Linear layers in an nn.Sequential, the MLP of an "
-                          "nn.TransformerEncoderLayer, or a model's only Linear)")
+        return ("no dense layer to split (lbt splits pairs of Linear layers in an nn.Sequential, the MLP of an "
+                "nn.TransformerEncoderLayer, or a model's only Linear)")
     for split in splits:
         if split.width % tensor_parallel:
-            raise ConfigError(f"dist.tensor_parallel={tensor_parallel} does not divide the width {split.width} of "
-                              f"layer {split.name} of {model_name} ({split.style} split): pick a T that divides it "
-                              "or change the model's width")
+            return f"width {split.width} of layer {split.name} ({split.style} split) is not divisible by {tensor_parallel}"
+    return None
+
+
+def check_splittable(splits: list[Split], tensor_parallel: int, model_name: str) -> None:
+    """One line for a model with nothing to split, or a split width T does not divide."""
+    reason = why_not(splits, tensor_parallel)
+    if reason is not None:
+        raise ConfigError(f"dist.tensor_parallel={tensor_parallel} cannot split {model_name}: {reason}")
 
 
 def device_mesh(device: torch.device, procs: int, tensor_parallel: int):

@@ -9,6 +9,7 @@ from lbt.config import plan_batches
 from lbt.errors import ConfigError
 from lbt.models.cnn1d import CNN1d
 from lbt.models.mlp import MLP
+from lbt.models.resnet20 import ResNet20
 from lbt.models.transformer1d import Transformer1d
 from lbt.tensor_parallel import Split, check_splittable, split_plan
 
@@ -24,11 +25,14 @@ def test_mlp_splits_megatron_pairs_and_keeps_an_unpaired_head_whole():
 def test_a_lone_linear_is_split_with_its_output_gathered():
     assert split_plan(CNN1d(channels=16)) == [Split("11", "gather", 10)]  # conv part replicated
     assert split_plan(MLP(num_layers=0)) == [Split("1", "gather", 10)]
+    assert split_plan(ResNet20()) == [Split("fc", "gather", 10)]
 
 
 def test_a_pair_broken_by_a_non_elementwise_module_is_not_split():
     model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8), nn.Linear(8, 4))
     assert split_plan(model) == [Split("2", "colwise", 8), Split("3", "rowwise", 8)]
+    assert split_plan(nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Dropout(0.1), nn.Linear(8, 4))) == \
+        [Split("0", "colwise", 8), Split("3", "rowwise", 8)]
 
 
 def test_transformer_blocks_split_their_mlp():
@@ -41,7 +45,7 @@ def test_transformer_blocks_split_their_mlp():
 def test_nothing_to_split_or_a_width_t_does_not_divide_is_one_line():
     with pytest.raises(ConfigError, match="no dense layer to split"):
         check_splittable(split_plan(nn.Sequential(nn.Conv1d(1, 4, 3), nn.Flatten())), 2, "Net")
-    with pytest.raises(ConfigError, match="does not divide the width 10 of layer 11"):
+    with pytest.raises(ConfigError, match="width 10 of layer 11 .gather split. is not divisible by 4"):
         check_splittable(split_plan(CNN1d(channels=16)), 4, "CNN1d")
 
 
