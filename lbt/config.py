@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from lbt.errors import ConfigError
 from lbt.validate import integer, number, one_of
@@ -31,7 +31,8 @@ class DistConfig:
     timeout_s: int = 120
     fuse_workers: bool = True
     max_restarts: int = 0
-    tensor_parallel: int = 1
+    tensor_parallel: Any = 1  # an int, or "auto" (see `auto_tensor_parallel`)
+    max_global_batch: Optional[int] = None
 
 
 @dataclass
@@ -148,8 +149,9 @@ class BatchPlan:
         simulated = f" x {self.workers_per_proc} simulated" if self.workers_per_proc > 1 else ""
         if self.tensor_parallel > 1:
             t = self.tensor_parallel
+            each = f", each simulating {self.workers_per_proc} workers" if self.workers_per_proc > 1 else ""
             layout = (f"world_size={self.gpus} GPUs = DP {self.world_size} x TP {t} "
-                      f"(procs={self.procs * t} = {self.procs} x {t}{simulated}) ")
+                      f"(procs={self.procs * t}: {self.procs} group(s) of {t}{each}) ")
         else:
             layout = f"world_size={self.world_size} (procs={self.procs}{simulated}) "
         return (
@@ -157,6 +159,26 @@ class BatchPlan:
             f"per_worker_batch={self.per_worker_batch} global_batch={self.global_batch} "
             f"steps/epoch={self.steps_per_epoch(num_train)}"
         )
+
+
+def auto_tensor_parallel(world_size: int, per_worker_batch: int, max_global_batch: Optional[int]) -> int:
+    """dist.tensor_parallel=auto: the smallest power of two T that keeps the global batch
+    (per_worker_batch x world_size / T) at or below max_global_batch; the GPUs past that batch split
+    the model instead of growing the batch (lbt/tensor_parallel.py)."""
+    if max_global_batch is None:
+        raise ConfigError("dist.tensor_parallel=auto needs dist.max_global_batch, the global batch to stay at or "
+                          "below (e.g. the critical batch `lbt report` measured)")
+    cap = integer("dist.max_global_batch", max_global_batch)
+    if per_worker_batch > cap:
+        raise ConfigError(f"dist.max_global_batch={cap} is smaller than one worker's batch "
+                          f"(trainer.per_worker_batch={per_worker_batch})")
+    tensor_parallel = 1
+    while per_worker_batch * world_size // tensor_parallel > cap:
+        tensor_parallel *= 2
+    if world_size % tensor_parallel:
+        raise ConfigError(f"dist.tensor_parallel=auto: keeping the global batch at or below {cap} takes T="
+                          f"{tensor_parallel}, which does not divide dist.world_size={world_size}")
+    return tensor_parallel
 
 
 def plan_batches(

@@ -28,8 +28,8 @@ from lbt import lr as lbt_lr
 from lbt import tensor_parallel
 from lbt.accel import Precision, check_channels_last
 from lbt.checkpoint import Checkpointer, run_identity
-from lbt.config import (DEFAULT_PER_WORKER_BATCH, BatchPlan, Budget, check_dist, check_trainer, make_budget,
-                        plan_batches)
+from lbt.config import (DEFAULT_PER_WORKER_BATCH, BatchPlan, Budget, auto_tensor_parallel, check_dist,
+                        check_trainer, make_budget, plan_batches)
 from lbt.data import DataSplits
 from lbt.data.batches import loader_workers
 from lbt.errors import ConfigError
@@ -127,7 +127,9 @@ def check_layout(config: dict, env: dict | None) -> int:
         if dist_cfg.get("procs") not in (None, env["procs"]):
             raise ConfigError(f"dist.procs={dist_cfg['procs']} but torchrun started {env['procs']} processes")
         dist_cfg["procs"] = env["procs"]
-    procs = dist_cfg.get("procs") or lbt_dist.default_procs()
+    tp = resolve_tensor_parallel(dist_cfg, trainer, env)
+    # null: as many as there are, and at least one tensor-parallel group
+    procs = dist_cfg.get("procs") or max(lbt_dist.default_procs(), tp)
     dist_cfg["procs"] = procs
     dist_cfg["world_size"] = dist_cfg.get("world_size") or procs
     plan_batches(dist_cfg["world_size"], procs, trainer.get("per_worker_batch"), trainer.get("global_batch"),
@@ -136,6 +138,23 @@ def check_layout(config: dict, env: dict | None) -> int:
         raise ConfigError(f"trainer.precision=fp16 with dist.tensor_parallel={dist_cfg['tensor_parallel']}: torch's "
                           "GradScaler cannot unscale split (DTensor) and replicated gradients together; use bf16")
     return procs
+
+
+def resolve_tensor_parallel(dist_cfg: dict, trainer: dict, env: dict | None) -> int:
+    """dist.tensor_parallel as a number: `auto` becomes the T that keeps the global batch under the cap."""
+    value = dist_cfg["tensor_parallel"]
+    if value == "auto":
+        if trainer.get("global_batch") is not None:
+            raise ConfigError("dist.tensor_parallel=auto sets the global batch from trainer.per_worker_batch and "
+                              "dist.max_global_batch; give trainer.per_worker_batch, not trainer.global_batch")
+        world_size = integer("dist.world_size", dist_cfg.get("world_size") or (env or {}).get("procs") or 1)
+        value = auto_tensor_parallel(world_size, trainer.get("per_worker_batch") or DEFAULT_PER_WORKER_BATCH,
+                                     dist_cfg.get("max_global_batch"))
+        dist_cfg["world_size"] = world_size
+    elif isinstance(value, (str, bool)):
+        raise ConfigError(f"dist.tensor_parallel={value}: give a number of processes per group or auto")
+    dist_cfg["tensor_parallel"] = integer("dist.tensor_parallel", value)
+    return dist_cfg["tensor_parallel"]
 
 
 def check_backend(backend: str, device: str) -> None:

@@ -5,7 +5,7 @@ import pytest
 from torch import nn
 
 from conftest import final_params, relative_diff, train
-from lbt.config import plan_batches
+from lbt.config import auto_tensor_parallel, plan_batches
 from lbt.errors import ConfigError
 from lbt.models.cnn1d import CNN1d
 from lbt.models.mlp import MLP
@@ -52,12 +52,22 @@ def test_nothing_to_split_or_a_width_t_does_not_divide_is_one_line():
 def test_batch_arithmetic_counts_data_parallel_workers():
     plan = plan_batches(8, 4, 16, None, tensor_parallel=2)
     assert (plan.world_size, plan.procs, plan.gpus, plan.global_batch) == (4, 2, 8, 64)
-    assert "world_size=8 GPUs = DP 4 x TP 2" in plan.describe(6400)
+    assert "world_size=8 GPUs = DP 4 x TP 2 (procs=4: 2 group(s) of 2, each simulating 2 workers)" \
+        in plan.describe(6400)
     assert plan_batches(8, 4, None, 64, tensor_parallel=2).per_worker_batch == 16
     with pytest.raises(ConfigError, match="dist.tensor_parallel=4 does not divide dist.procs=2"):
         plan_batches(4, 2, 16, None, tensor_parallel=4)
     with pytest.raises(ConfigError, match="4 data-parallel workers"):
         plan_batches(8, 4, None, 66, tensor_parallel=2)
+
+
+def test_auto_splits_the_gpus_past_the_batch_cap():
+    # b=64: up to 16 GPUs the global batch stays within 1,024; 64 GPUs = DP 16 x TP 4
+    assert [auto_tensor_parallel(w, 64, 1024) for w in (1, 16, 32, 64, 128)] == [1, 1, 2, 4, 8]
+    with pytest.raises(ConfigError, match="needs dist.max_global_batch"):
+        auto_tensor_parallel(4, 64, None)
+    with pytest.raises(ConfigError, match="T=4, which does not divide dist.world_size=3"):
+        auto_tensor_parallel(3, 64, 64)
 
 
 @pytest.mark.slow
