@@ -335,12 +335,13 @@ def study_command(args: list[str]) -> None:
 
 
 def report_flags(args: list[str]) -> tuple[list[str], list[str]]:
-    """`lbt study`'s report options (--metric, --target, --tolerance, --network, --step-ms, as `lbt report` takes them)
+    """`lbt study`'s report options (--metric, --target, --tolerance, --network, --step-ms, --hybrid-cap, as
+    `lbt report` takes them)
     apart from its overrides."""
     flags, rest, i = [], [], 0
     while i < len(args):
         name = args[i].split("=", 1)[0]
-        if name in ("--metric", "--target", "--tolerance", "--network", "--step-ms"):
+        if name in ("--metric", "--target", "--tolerance", "--network", "--step-ms", "--hybrid-cap"):
             if "=" in args[i]:
                 flags.append(args[i])
             elif i + 1 < len(args):
@@ -433,6 +434,10 @@ def report_parser():
                                           "(lbt plan's presets, e.g. 10gbe, ib-fdr)")
     parser.add_argument("--step-ms", type=float, help="with --network: a worker's step time measured elsewhere "
                                                       "(default: from the study's smallest-batch run)")
+    parser.add_argument("--hybrid-cap", type=int, metavar="B",
+                        help="past this global batch, more GPUs split the model (data x tensor parallelism) "
+                             "instead of growing the batch: the report's hybrid section and accuracy_vs_gpus.png "
+                             "(default: each recipe's largest batch within the tolerance)")
     return parser
 
 
@@ -459,8 +464,10 @@ def report_command(args: list[str]) -> None:
     try:
         if options.step_ms is not None and (options.network is None or not options.step_ms > 0):
             raise ConfigError("--step-ms takes a positive time in ms and goes with --network")
+        if options.hybrid_cap is not None and options.hybrid_cap < 1:
+            raise ConfigError(f"--hybrid-cap {options.hybrid_cap}: give a global batch of at least 1")
         summary = write_report(options.study_dir, options.target, options.tolerance, options.network,
-                               options.step_ms, options.metric)
+                               options.step_ms, options.metric, options.hybrid_cap)
     except ConfigError as error:
         fail(str(error))
     print(open(os.path.join(options.study_dir, "report.md")).read())

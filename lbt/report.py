@@ -113,8 +113,10 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 
 # Overrides that place a job on the curve (batch) or average it (seed), not a variant of the recipe.
+# Tensor parallelism is exact (lbt/tensor_parallel.py): a DP x T run is a point of its recipe's curve at its
+# global batch, beside the data-parallel runs at that batch.
 _AXIS_KEYS = ("recipe", "study", "trainer.seed", "dist.world_size", "dist.procs", "trainer.per_worker_batch",
-              "trainer.global_batch", "hydra.", "trainer.progress")
+              "trainer.global_batch", "hydra.", "trainer.progress", "dist.tensor_parallel", "dist.max_global_batch")
 
 
 def series_name(job: dict) -> str:
@@ -151,9 +153,19 @@ def _test_mean_std(jobs: list[dict], key: str) -> tuple[float | None, float | No
     return _mean_std(values) if values else (None, None)
 
 
+def one_per_seed(jobs: list[dict]) -> list[dict]:
+    """One job per seed of a (recipe, batch) point: a DP x T run repeats the data-parallel run of its
+    seed (tensor parallelism is exact), so it is not another sample; the data-parallel one counts."""
+    kept: dict = {}
+    for job in sorted(jobs, key=lambda j: int(j.get("tensor_parallel") or 1)):
+        kept.setdefault(job.get("seed", job["job_dir"]), job)
+    return sorted(kept.values(), key=lambda j: j["job_dir"])
+
+
 def aggregate(jobs: list[dict], target: float | None, metric: Metric = ACC) -> list[Row]:
     rows = []
-    for (recipe, batch), members in _groups(jobs).items():
+    for (recipe, batch), every in _groups(jobs).items():
+        members = one_per_seed(every)
         ok = [j for j in members if "error" not in j]
         trained = [j for j in ok if not j.get("diverged")]
         final, final_std = _mean_std([_on(j, "final_{}_acc") for j in trained])
@@ -167,7 +179,7 @@ def aggregate(jobs: list[dict], target: float | None, metric: Metric = ACC) -> l
         b_simple = [gns_summary(j.get("technique_curves", {}).get("gns/b_simple", []), GNS_WINDOW) for j in ok]
         b_simple = [b for b in b_simple if b is not None]
         rows.append(Row(
-            recipe=recipe, global_batch=batch, world_size=int(members[0].get("world_size") or 0),
+            recipe=recipe, global_batch=batch, world_size=data_parallel(members[0]),
             seeds=len(members), split=members[0]["eval_split"], final_acc=final, final_acc_std=final_std,
             best_acc=_mean_std([_on(j, "best_{}_acc") for j in trained])[0],
             test_acc=test, test_acc_std=test_std, gap=None,
@@ -176,7 +188,7 @@ def aggregate(jobs: list[dict], target: float | None, metric: Metric = ACC) -> l
             samples_per_sec=_mean_std([j["samples_per_sec"] for j in ok])[0] if ok else float("nan"),
             diverged=sum(bool(j.get("diverged")) for j in ok), errors=len(members) - len(ok),
             b_simple=statistics.median(b_simple) if b_simple else None,
-            jobs=[j["job_dir"] for j in members],
+            jobs=[j["job_dir"] for j in every],
             final_loss=final_loss, final_loss_std=final_loss_std,
             best_loss=_mean_std([_on(j, "best_{}_loss") for j in trained])[0],
             test_loss=test_loss, test_loss_std=test_loss_std,
@@ -190,6 +202,72 @@ def aggregate(jobs: list[dict], target: float | None, metric: Metric = ACC) -> l
         if reference is not None and row.test(metric) is not None:
             row.gap = (row.test(metric) - reference) / metric.unit_size
     return rows
+
+
+def data_parallel(job: dict) -> int:
+    """A job's data-parallel workers: its GPUs, or its GPUs / T under tensor parallelism."""
+    return int(job.get("data_parallel") or job.get("world_size") or 0)
+
+
+def hybrid_points(rows: list[Row], jobs: list[dict], caps: dict[str, int], metric: Metric = ACC) -> list[dict]:
+    """Data x tensor parallelism past the batch cap (issue: more GPUs without a bigger batch).
+
+    For each recipe with a cap and each GPU count W of the study, T is the smallest power of two that keeps
+    the global batch b x W / T at or below the cap (`dist.tensor_parallel=auto`). Tensor parallelism is exact,
+    so the W-GPU hybrid scores what the W/T-worker data-parallel run at that batch scored: a point is "run"
+    when a job ran it as DP x T, else it follows from exactness (the data-parallel run at W/T).
+    Only points with T > 1 (below the cap the hybrid is data parallelism)."""
+    from lbt.config import auto_tensor_parallel
+
+    by_dir = {j["job_dir"]: j for j in jobs}
+    points = []
+    for recipe, cap in sorted(caps.items()):
+        mine = {r.global_batch: r for r in rows if r.recipe == recipe and math.isfinite(r.final(metric))}
+        done = [j for j in jobs if j.get("series") == recipe and "error" not in j and j.get("per_worker_batch")]
+        for gpus in sorted({int(j["world_size"]) for j in done}):
+            b = int(done[0]["per_worker_batch"])
+            try:
+                t = auto_tensor_parallel(gpus, b, cap)
+            except ConfigError:
+                continue
+            row = mine.get(b * gpus // t)
+            if t == 1 or row is None:
+                continue
+            ran = [d for d in row.jobs if by_dir[d].get("tensor_parallel") == t and by_dir[d].get("world_size") == gpus]
+            points.append({"recipe": recipe, "gpus": gpus, "tensor_parallel": t, "data_parallel": gpus // t,
+                           "global_batch": row.global_batch, "cap": cap, metric.name: row.final(metric),
+                           f"{metric.name}_std": row.final_std(metric), "seeds": row.seeds,
+                           "data_parallel_only": (mine.get(b * gpus).final(metric) if b * gpus in mine else None),
+                           "source": "run" if ran else f"exactness: the {gpus // t}-worker data-parallel run"})
+    return points
+
+
+def hybrid_caps(answer: dict, cap: int | None) -> dict[str, int]:
+    """Each recipe's batch cap: the one given, else its largest global batch within the tolerance."""
+    return {r["recipe"]: cap or r["global_batch"] for r in answer["recipes"] if cap or r["global_batch"]}
+
+
+def hybrid_lines(points: list[dict], split: str, metric: Metric, given_cap: bool) -> list[str]:
+    if not points:
+        return []
+    m, show = metric.name, metric.show
+    cap_from = ("the cap given (`--hybrid-cap`)" if given_cap else
+                "each recipe's largest global batch within the tolerance (`--hybrid-cap B` to choose)")
+    lines = ["", "## More GPUs without a bigger batch: data x tensor parallelism", "",
+             f"Past the cap, {cap_from}, the GPUs split each worker's dense layers (`dist.tensor_parallel=auto "
+             "dist.max_global_batch=CAP`, lbt/tensor_parallel.py) instead of growing the batch. Tensor parallelism "
+             "does not change the math, so a W-GPU hybrid scores what the data-parallel run at W/T workers "
+             "scored; the last column says which points were run as DP x T and which follow from exactness. "
+             "Whether the extra GPUs pay in time: `lbt plan --tensor-parallel auto`.", "",
+             f"| recipe | GPUs | DP x T | global batch (cap) | final {split} {m}, hybrid | final {split} {m}, "
+             "data parallel only | hybrid point |", "|---|---:|---:|---:|---:|---:|---|"]
+    for p in points:
+        spread = f" ± {show(p[f'{m}_std'])}" if p["seeds"] > 1 else ""
+        only = "not run" if p["data_parallel_only"] is None else f"{show(p['data_parallel_only'])}{metric.suffix}"
+        lines.append(f"| {p['recipe']} | {p['gpus']} | {p['data_parallel']} x {p['tensor_parallel']} | "
+                     f"{p['global_batch']:,} ({p['cap']:,}) | {show(p[m])}{metric.suffix}{spread} ({p['seeds']}) | "
+                     f"{only} | {p['source']} |")
+    return lines
 
 
 def _optional(value: float) -> float | None:
@@ -381,7 +459,7 @@ def _fmt(value, spec: str = ".4f", std=None) -> str:
 
 
 def markdown(rows: list[Row], target: float | None, crit: dict, jobs: list[dict], answer: dict | None = None,
-             metric: Metric = ACC) -> str:
+             metric: Metric = ACC, hybrid: tuple[list[dict], bool] = ([], False)) -> str:
     split = "val" if any(r.split == "val" for r in rows) else "test"
     lines = ["# lbt study report", ""]
     if split == "val":
@@ -447,6 +525,7 @@ def markdown(rows: list[Row], target: float | None, crit: dict, jobs: list[dict]
         lines += [f"- `{j['job_dir']}` ({j['series']}): {j['error']}" for j in failed]
     if answer is not None:
         lines += answer_lines(answer)
+    lines += hybrid_lines(*hybrid[:1], split, metric, hybrid[1])
     return "\n".join(lines) + "\n"
 
 
@@ -492,6 +571,36 @@ def plot_accuracy(rows: list[Row], crit: dict, path: Path, metric: Metric = ACC)
     ax.set_title(f"{metric.label.capitalize()} vs global batch (same epoch budget)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_gpus(rows: list[Row], points: list[dict], path: Path, metric: Metric = ACC) -> None:
+    """Final (selection-split) metric vs GPU count: data parallelism alone (solid) and the hybrid past
+    the batch cap (dashed; filled markers were run as DP x T, hollow ones follow from exactness)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for recipe in sorted({p["recipe"] for p in points}):
+        dp = sorted((r for r in rows if r.recipe == recipe and math.isfinite(r.final(metric))),
+                    key=lambda r: r.world_size)
+        line = ax.plot([r.world_size for r in dp], [metric.scale * r.final(metric) for r in dp], marker="o",
+                       label=f"{recipe}: data parallel")[0]
+        mine = [p for p in points if p["recipe"] == recipe]
+        below = [r for r in dp if r.global_batch <= mine[0]["cap"]]
+        xs = [r.world_size for r in below] + [p["gpus"] for p in mine]
+        ys = [metric.scale * r.final(metric) for r in below] + [metric.scale * p[metric.name] for p in mine]
+        ax.plot(xs, ys, linestyle="--", color=line.get_color(),
+                label=f"{recipe}: data x tensor parallel (batch <= {mine[0]['cap']:,})")
+        for p in mine:
+            ax.scatter([p["gpus"]], [metric.scale * p[metric.name]], s=50, color=line.get_color(),
+                       facecolors=line.get_color() if p["source"] == "run" else "none")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel(f"final {metric.label}{f' ({metric.suffix})' if metric.suffix else ''}")
+    ax.set_title("More GPUs: a bigger batch, or split layers at the same batch")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -580,7 +689,8 @@ def write_tensorboard(rows: list[Row], jobs: list[dict], path: Path) -> None:
 
 
 def write_report(study_dir: str | Path, target: float | None = None, tolerance: float | None = None,
-                 network: str | None = None, step_ms: float | None = None, metric: str = "acc") -> dict:
+                 network: str | None = None, step_ms: float | None = None, metric: str = "acc",
+                 hybrid_cap: int | None = None) -> dict:
     """The report of a study folder, judged on `metric` ("acc", higher is better, or "loss", lower is
     better): the target, steps to it, and "how many GPUs" within `tolerance` (the metric's units,
     default its default_tolerance)."""
@@ -596,8 +706,13 @@ def write_report(study_dir: str | Path, target: float | None = None, tolerance: 
     if network is not None:
         answer["time_to_accuracy"] = time_to_accuracy(rows, answer, jobs, study_dir, network, step_ms)
     curves = f"{judge.label}_vs_batch.png"
-    (study_dir / "report.md").write_text(markdown(rows, target, crit, jobs, answer, judge))
+    hybrid = hybrid_points(rows, jobs, hybrid_caps(answer, hybrid_cap), judge)
+    (study_dir / "report.md").write_text(markdown(rows, target, crit, jobs, answer, judge, (hybrid, bool(hybrid_cap))))
     plot_accuracy(rows, crit, study_dir / curves, judge)
+    files = ["report.md", curves, "steps_to_target.png", "gns_over_training.png", "summary.json", SUMMARY_DIR]
+    if hybrid:
+        plot_gpus(rows, hybrid, study_dir / f"{judge.label}_vs_gpus.png", judge)
+        files.insert(2, f"{judge.label}_vs_gpus.png")
     plot_steps(rows, jobs, target, crit, study_dir / "steps_to_target.png", judge)
     plot_gns(jobs, crit, study_dir / "gns_over_training.png")
     write_tensorboard(rows, jobs, study_dir / SUMMARY_DIR)
@@ -608,8 +723,9 @@ def write_report(study_dir: str | Path, target: float | None = None, tolerance: 
     summary = {
         "metric": judge.name,
         f"target_{judge.name}": target,
-        "files": ["report.md", curves, "steps_to_target.png", "gns_over_training.png", "summary.json", SUMMARY_DIR],
+        "files": files,
         "gpu_answer": answer,
+        "hybrid": hybrid,
         "critical_batch": crit,
         "rows": [asdict(r) for r in rows],
         "jobs": [{k: j[k] for k in named if k in j} for j in jobs],

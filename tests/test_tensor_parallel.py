@@ -107,3 +107,38 @@ def test_two_groups_of_two_equal_two_data_parallel_workers(tmp_path):
     assert (hybrid["data_parallel"], hybrid["global_batch"]) == (4, 64)
     assert relative_diff(final_params(tmp_path / "dp"), final_params(tmp_path / "hybrid")) < 1e-5
     assert hybrid["final_test_acc"] == pytest.approx(data_parallel["final_test_acc"], abs=1e-9)
+
+
+def _job(job_dir: str, gpus: int, acc: float, t: int = 1, seed: int = 0) -> dict:
+    """A finished run's result.json as the report reads it (b = 64 per worker)."""
+    return {"job_dir": job_dir, "recipe": "lamb", "overrides": [f"dist.world_size={gpus}", f"trainer.seed={seed}"],
+            "world_size": gpus, "tensor_parallel": t, "data_parallel": gpus // t, "per_worker_batch": 64,
+            "global_batch": 64 * gpus // t, "eval_split": "val", "final_val_acc": acc, "best_val_acc": acc,
+            "final_val_loss": 1 - acc, "best_val_loss": 1 - acc, "test_acc": acc, "test_loss": 1 - acc,
+            "steps": 10, "samples_per_sec": 1.0, "val_history": [], "seed": seed}
+
+
+def test_report_scores_the_hybrid_past_the_cap_from_runs_and_from_exactness(tmp_path):
+    """Cap 256 (4 workers of 64): 8 GPUs = 4 x TP 2 was run (seed 0), 16 GPUs = 4 x TP 4 follows from the
+    4-worker data-parallel runs (seeds 0, 1); the data-parallel runs at 8 and 16 GPUs lost accuracy."""
+    import json
+
+    from lbt.report import write_report
+
+    jobs = [_job("0", 1, 0.99), _job("1", 4, 0.98), _job("2", 4, 0.96, seed=1), _job("3", 8, 0.90),
+            _job("4", 16, 0.80), _job("5", 8, 0.98, t=2)]
+    for job in jobs:
+        (tmp_path / job["job_dir"]).mkdir()
+        (tmp_path / job["job_dir"] / "result.json").write_text(json.dumps({k: v for k, v in job.items()
+                                                                          if k != "job_dir"}))
+    summary = write_report(tmp_path, tolerance=0.05, hybrid_cap=256)
+    points = {p["gpus"]: p for p in summary["hybrid"]}
+    assert sorted(points) == [8, 16]
+    assert (points[8]["tensor_parallel"], points[8]["source"]) == (2, "run")
+    assert (points[16]["tensor_parallel"], points[16]["source"]) == (4, "exactness: the 4-worker data-parallel run")
+    # the point at batch 256 is one experiment: the hybrid run repeats seed 0's data-parallel run, not a third seed
+    assert points[16]["acc"] == pytest.approx((0.98 + 0.96) / 2) and points[16]["seeds"] == 2
+    assert points[16]["data_parallel_only"] == pytest.approx(0.80)
+    report = (tmp_path / "report.md").read_text()
+    assert "## More GPUs without a bigger batch" in report and "| lamb | 16 | 4 x 4 | 256 (256) |" in report
+    assert (tmp_path / "accuracy_vs_gpus.png").stat().st_size > 0
