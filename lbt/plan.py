@@ -498,6 +498,13 @@ def plot(rows: list[Row], path: str | Path, title: str, critical_batch: float | 
             ax.axvspan(beyond[0], ws[-1], color="tab:orange", alpha=0.15,
                        label=f"b·W > B_crit={critical_batch:,.0f}")
         ax.legend(fontsize=8)
+    return save_figure(fig, path, title)
+
+
+def save_figure(fig, path: str | Path, title: str) -> Path:
+    """Title, tight layout, write the PNG (its folder made), close the figure."""
+    import matplotlib.pyplot as plt
+
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path = Path(path)

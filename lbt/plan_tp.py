@@ -52,6 +52,7 @@ from lbt.plan import (
     epoch_seconds,
     gradient_bytes,
     ring_allreduce_seconds,
+    save_figure,
     step_seconds,
 )
 from lbt.tensor_parallel import Split, split_plan, why_not
@@ -346,13 +347,7 @@ def plot_splits(rows: list[SplitRow], path, title: str, critical_batch: float | 
         ax_batch.axhline(critical_batch, color="tab:orange", linestyle=":", label=f"B_crit={critical_batch:,.0f}")
     for ax in (ax_time, ax_batch):
         ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title)
 
 
 def describe_split(split: DenseSplit, per_worker_batch: int, tensor_parallel: list[int], name: str) -> list[str]:
