@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from conftest import final_params, initial_params, relative_diff, train
+from lbt.config import BatchPlan
 from lbt.errors import ConfigError
+from lbt.techniques.batch_ramp import AutoBatchRamp
 from lbt.techniques.gradient_delay import DelayLine, GradientDelay
 from lbt.techniques.local_sgd import LocalSGD, allreduces_at, averages_after
 
@@ -57,6 +59,11 @@ def test_bad_values_and_conflicts_are_config_errors():
         train_config_error(["technique=[local_sgd,comm_compression]"])
     with pytest.raises(ConfigError, match="dist.procs=1"):
         train_config_error(["technique=[local_sgd]", "dist.world_size=4", "dist.procs=2"])
+    # The automatic batch ramp measures the noise scale as measure=[gns] does: refused beside a real delay too.
+    delay = GradientDelay(1)
+    delay.check_together([delay, AutoBatchRamp()])
+    with pytest.raises(ConfigError, match="batch_ramp mode=auto"):
+        delay.check_plan(BatchPlan(world_size=2, procs=2, per_worker_batch=32, global_batch=64))
 
 
 def train_config_error(overrides: list[str]) -> None:

@@ -38,6 +38,7 @@ from lbt.config import BatchPlan
 from lbt.dist import note
 from lbt.errors import ConfigError
 from lbt.techniques.base import CommHook, Progress, Technique, refuse_together
+from lbt.techniques.gns import GradientNoiseScale
 from lbt.validate import integer
 
 # Techniques that read or replace the allreduce this one launches asynchronously.
@@ -94,12 +95,14 @@ class GradientDelay(Technique):
         self.measured = False  # measure=[gns] beside it
 
     def check_together(self, techniques: list[Technique]) -> None:
-        self.measured = any(t.name == "gns" for t in techniques)
+        # measure=[gns], or technique.batch_ramp.mode=auto, which measures the noise scale the same way
+        self.measured = any(isinstance(t, GradientNoiseScale) for t in techniques)
         refuse_together("gradient_delay", techniques, CONFLICTS)
 
     def check_plan(self, plan: BatchPlan) -> None:
         if self.measured and plan.procs > 1:
-            raise ConfigError("technique gradient_delay with measure gns on real processes: the noise scale "
+            raise ConfigError("technique gradient_delay with the noise scale measured (measure gns, or batch_ramp "
+                              "mode=auto) on real processes: the noise scale "
                               "needs the step's own averaged gradient, which the delayed allreduce has not "
                               "delivered yet; measure it with simulated workers (dist.procs=1)")
         if plan.world_size == 1:
