@@ -157,6 +157,10 @@ def launch_local(fn: Callable, args: tuple, procs: int) -> None:
     WorkerDied names the rank that caused it (see `_cause`).
     """
     store = dist.TCPStore(HOST, 0, procs + 1, is_master=True, wait_for_workers=False)
+    if mp.get_start_method(allow_none=True) not in (None, "spawn", "fork", "forkserver"):
+        # A job of a sweep run by Hydra's joblib launcher (loky workers) carries loky's start method, which
+        # the spawned workers would try to restore and cannot ("cannot find context for 'loky'").
+        mp.set_start_method("spawn", force=True)
     context = mp.start_processes(fn, args=(store.port, *args), nprocs=procs, join=False, start_method="spawn")
     processes = context.processes
 

@@ -233,13 +233,30 @@ def hybrid_points(rows: list[Row], jobs: list[dict], caps: dict[str, int], metri
             row = mine.get(b * gpus // t)
             if t == 1 or row is None:
                 continue
-            ran = [d for d in row.jobs if by_dir[d].get("tensor_parallel") == t and by_dir[d].get("world_size") == gpus]
+            ran = [by_dir[d] for d in row.jobs
+                   if by_dir[d].get("tensor_parallel") == t and by_dir[d].get("world_size") == gpus]
             points.append({"recipe": recipe, "gpus": gpus, "tensor_parallel": t, "data_parallel": gpus // t,
                            "global_batch": row.global_batch, "cap": cap, metric.name: row.final(metric),
                            f"{metric.name}_std": row.final_std(metric), "seeds": row.seeds,
                            "data_parallel_only": (mine.get(b * gpus).final(metric) if b * gpus in mine else None),
-                           "source": "run" if ran else f"exactness: the {gpus // t}-worker data-parallel run"})
+                           "source": _ran(ran, [by_dir[d] for d in row.jobs], metric) if ran
+                           else f"exactness: the {gpus // t}-worker data-parallel run"})
     return points
+
+
+def _ran(hybrids: list[dict], members: list[dict], metric: Metric) -> str:
+    """'run', with each DP x T run's score beside its seed's data-parallel twin (float order may differ)."""
+    key = f"final_{{}}_{metric.name}"
+    parts = []
+    for job in hybrids:
+        twin = next((j for j in members if j.get("seed") == job.get("seed") and int(j.get("tensor_parallel") or 1) == 1
+                     and "error" not in j), None)
+        value = _on(job, key)
+        text = f"seed {job.get('seed')}: {metric.show(value)}{metric.suffix}" if value is not None else "failed"
+        if twin is not None and _on(twin, key) is not None:
+            text += f", its data-parallel run {metric.show(_on(twin, key))}{metric.suffix}"
+        parts.append(text)
+    return f"run ({'; '.join(parts)})"
 
 
 def hybrid_caps(answer: dict, cap: int | None) -> dict[str, int]:
@@ -594,8 +611,8 @@ def plot_gpus(rows: list[Row], points: list[dict], path: Path, metric: Metric = 
                 label=f"{recipe}: data x tensor parallel (batch <= {mine[0]['cap']:,})")
         for p in mine:
             ax.scatter([p["gpus"]], [metric.scale * p[metric.name]], s=50, color=line.get_color(),
-                       facecolors=line.get_color() if p["source"] == "run" else "none")
-    ax.set_xscale("log", base=2)
+                       facecolors=line.get_color() if p["source"].startswith("run") else "none")
+    _batch_axis(ax)
     ax.set_xlabel("GPUs")
     ax.set_ylabel(f"final {metric.label}{f' ({metric.suffix})' if metric.suffix else ''}")
     ax.set_title("More GPUs: a bigger batch, or split layers at the same batch")

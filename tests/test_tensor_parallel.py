@@ -134,7 +134,7 @@ def test_report_scores_the_hybrid_past_the_cap_from_runs_and_from_exactness(tmp_
     summary = write_report(tmp_path, tolerance=0.05, hybrid_cap=256)
     points = {p["gpus"]: p for p in summary["hybrid"]}
     assert sorted(points) == [8, 16]
-    assert (points[8]["tensor_parallel"], points[8]["source"]) == (2, "run")
+    assert (points[8]["tensor_parallel"], points[8]["source"]) == (2, "run (seed 0: 98.00%, its data-parallel run 98.00%)")
     assert (points[16]["tensor_parallel"], points[16]["source"]) == (4, "exactness: the 4-worker data-parallel run")
     # the point at batch 256 is one experiment: the hybrid run repeats seed 0's data-parallel run, not a third seed
     assert points[16]["acc"] == pytest.approx((0.98 + 0.96) / 2) and points[16]["seeds"] == 2
