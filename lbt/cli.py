@@ -492,7 +492,7 @@ def main(argv: list[str] | None = None) -> None:
     elif command == "report":
         report_command(args)
     elif command == "plan":
-        from lbt.plan import plan_main
+        from lbt.plan_cli import plan_main
 
         sys.exit(plan_main(args))
     else:

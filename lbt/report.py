@@ -154,12 +154,10 @@ def _test_mean_std(jobs: list[dict], key: str) -> tuple[float | None, float | No
 
 
 def one_per_seed(jobs: list[dict]) -> list[dict]:
-    """One job per seed of a (recipe, batch) point: a DP x T run repeats the data-parallel run of its
-    seed (tensor parallelism is exact), so it is not another sample; the data-parallel one counts."""
-    kept: dict = {}
-    for job in sorted(jobs, key=lambda j: int(j.get("tensor_parallel") or 1)):
-        kept.setdefault(job.get("seed", job["job_dir"]), job)
-    return sorted(kept.values(), key=lambda j: j["job_dir"])
+    """The jobs that are samples of a (recipe, batch) point: a DP x T run repeats the data-parallel run of
+    its seed (tensor parallelism is exact), so where that run finished it is not another sample."""
+    finished = {j.get("seed") for j in jobs if int(j.get("tensor_parallel") or 1) == 1 and "error" not in j}
+    return [j for j in jobs if int(j.get("tensor_parallel") or 1) == 1 or j.get("seed") not in finished]
 
 
 def aggregate(jobs: list[dict], target: float | None, metric: Metric = ACC) -> list[Row]:
@@ -269,7 +267,8 @@ def hybrid_lines(points: list[dict], split: str, metric: Metric, given_cap: bool
         return []
     m, show = metric.name, metric.show
     cap_from = ("the cap given (`--hybrid-cap`)" if given_cap else
-                "each recipe's largest global batch within the tolerance (`--hybrid-cap B` to choose)")
+                "each recipe's largest global batch within the tolerance (see \"How many GPUs?\" below; "
+                "`--hybrid-cap B` to choose)")
     lines = ["", "## More GPUs without a bigger batch: data x tensor parallelism", "",
              f"Past the cap, {cap_from}, the GPUs split each worker's dense layers (`dist.tensor_parallel=auto "
              "dist.max_global_batch=CAP`, lbt/tensor_parallel.py) instead of growing the batch. Tensor parallelism "
@@ -540,9 +539,10 @@ def markdown(rows: list[Row], target: float | None, crit: dict, jobs: list[dict]
     if failed:
         lines += ["", "## Failed jobs", ""]
         lines += [f"- `{j['job_dir']}` ({j['series']}): {j['error']}" for j in failed]
+    # The answer is the report's last section; the hybrid (past the answer's batches) comes just before it.
+    lines += hybrid_lines(*hybrid[:1], split, metric, hybrid[1])
     if answer is not None:
         lines += answer_lines(answer)
-    lines += hybrid_lines(*hybrid[:1], split, metric, hybrid[1])
     return "\n".join(lines) + "\n"
 
 

@@ -546,8 +546,10 @@ class Trainer:
         # Every rank's own: its BN statistics, RNG states and technique state (PowerSGD's error feedback).
         own = {"buffers": {k: v.detach().clone() for k, v in self.model.named_buffers()}, "rng": rng_state(),
                "techniques": {t.name: t.state_dict() for t in self.techniques}}
-        self.checkpointer.save(self.state.step, main, own)
+        # Logged events first: once the checkpoint is the latest, a resume from it does not log its step
+        # again, so a kill between the two must not lose what the step logged (its evaluation).
         self.log.flush()
+        self.checkpointer.save(self.state.step, main, own)
 
     def load_checkpoint(self, main: dict, own: dict) -> None:
         if self.ctx.tensor_parallel > 1:

@@ -15,12 +15,12 @@ from lbt.plan import (
     expected_max,
     epoch_seconds,
     gradient_bytes,
-    plan_main,
     plan_rows,
     ring_allreduce_seconds,
     step_seconds,
     worker_counts,
 )
+from lbt.plan_cli import plan_main
 
 
 def test_ring_allreduce_one_worker_costs_nothing():
@@ -199,7 +199,7 @@ def test_plan_main_custom_network_and_usage_errors(tmp_path, capsys):
 
 
 def test_plan_takes_hydra_style_key_values_like_lbt_train(tmp_path, capsys):
-    from lbt.plan import hydra_style
+    from lbt.plan_cli import hydra_style
 
     assert hydra_style(["model=resnet20", "per_worker_batch=128", "--network", "1gbe"]) == \
         ["--model", "resnet20", "--per-worker-batch", "128", "--network", "1gbe"]

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from lbt.models import MLP, CNN1d, Transformer1d
-from lbt.plan import Compute, Network, plan_main, ring_allreduce_seconds, ring_bytes_sent
+from lbt.plan import Compute, Network, ring_allreduce_seconds, ring_bytes_sent
+from lbt.plan_cli import plan_main
 from lbt.plan_tp import (
     Collective,
     DenseSplit,
