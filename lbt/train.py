@@ -128,8 +128,7 @@ def check_layout(config: dict, env: dict | None) -> int:
             raise ConfigError(f"dist.procs={dist_cfg['procs']} but torchrun started {env['procs']} processes")
         dist_cfg["procs"] = env["procs"]
     tp = resolve_tensor_parallel(dist_cfg, trainer, env)
-    # null: as many as there are, and at least one tensor-parallel group
-    procs = dist_cfg.get("procs") or max(lbt_dist.default_procs(), tp)
+    procs = dist_cfg.get("procs") or lbt_dist.default_procs()
     dist_cfg["procs"] = procs
     dist_cfg["world_size"] = dist_cfg.get("world_size") or procs
     plan_batches(dist_cfg["world_size"], procs, trainer.get("per_worker_batch"), trainer.get("global_batch"),
@@ -151,6 +150,11 @@ def resolve_tensor_parallel(dist_cfg: dict, trainer: dict, env: dict | None) -> 
         value = auto_tensor_parallel(world_size, trainer.get("per_worker_batch") or DEFAULT_PER_WORKER_BATCH,
                                      dist_cfg.get("max_global_batch"))
         dist_cfg["world_size"] = world_size
+        procs = dist_cfg.get("procs") or (env or {}).get("procs") or lbt_dist.default_procs()
+        if isinstance(procs, int) and procs % value:
+            raise ConfigError(f"dist.tensor_parallel=auto chose T={value} (global batch at or below "
+                              f"{dist_cfg['max_global_batch']}), which does not divide dist.procs={procs}: start "
+                              f"a multiple of {value} processes")
     elif isinstance(value, (str, bool)):
         raise ConfigError(f"dist.tensor_parallel={value}: give a number of processes per group or auto")
     dist_cfg["tensor_parallel"] = integer("dist.tensor_parallel", value)

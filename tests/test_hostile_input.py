@@ -11,7 +11,8 @@ from lbt.cli import main
 KEYS = [
     "trainer.per_worker_batch", "trainer.global_batch", "trainer.epochs", "trainer.seed", "trainer.log_every",
     "trainer.threads", "trainer.checkpoint_every", "trainer.resume", "trainer.device", "trainer.progress",
-    "dist.world_size", "dist.backend", "dist.timeout_s", "dist.fuse_workers",
+    "dist.world_size", "dist.backend", "dist.timeout_s", "dist.fuse_workers", "dist.tensor_parallel",
+    "dist.max_global_batch",
     "optim.lr", "optim.momentum", "data.num_train", "data.num_test", "data.num_classes", "data.val_fraction",
     "schedule.final_factor", "schedule.scaling", "schedule.warmup_epochs", "schedule.warmup_samples",
     "schedule.base_batch", "optim.no_bn_weight_decay", "dist.wrold_size", "trainer.epoch", "model.no_such_option",
@@ -52,7 +53,7 @@ override_sets = st.lists(
 )
 
 
-@settings(max_examples=300, deadline=60_000, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=150, deadline=60_000, suppress_health_check=[HealthCheck.too_slow,
                                                                        HealthCheck.function_scoped_fixture])
 @given(override_sets)
 def test_generated_overrides_run_or_fail_in_one_line(tmp_path_factory, capfd, overrides):

@@ -1,10 +1,12 @@
 """Hybrid data x tensor parallelism (lbt/tensor_parallel.py): which layers split, the batch arithmetic,
 and exactness: DP x T on P = DP x T processes takes the steps DP data-parallel workers take."""
 
+import json
+
 import pytest
 from torch import nn
 
-from conftest import final_params, relative_diff, train
+from conftest import FAST, final_params, lbt_cli, relative_diff, train
 from lbt.config import auto_tensor_parallel, plan_batches
 from lbt.errors import ConfigError
 from lbt.models.cnn1d import CNN1d
@@ -121,8 +123,6 @@ def _job(job_dir: str, gpus: int, acc: float, t: int = 1, seed: int = 0) -> dict
 def test_report_scores_the_hybrid_past_the_cap_from_runs_and_from_exactness(tmp_path):
     """Cap 256 (4 workers of 64): 8 GPUs = 4 x TP 2 was run (seed 0), 16 GPUs = 4 x TP 4 follows from the
     4-worker data-parallel runs (seeds 0, 1); the data-parallel runs at 8 and 16 GPUs lost accuracy."""
-    import json
-
     from lbt.report import write_report
 
     jobs = [_job("0", 1, 0.99), _job("1", 4, 0.98), _job("2", 4, 0.96, seed=1), _job("3", 8, 0.90),
@@ -142,3 +142,14 @@ def test_report_scores_the_hybrid_past_the_cap_from_runs_and_from_exactness(tmp_
     report = (tmp_path / "report.md").read_text()
     assert "## More GPUs without a bigger batch" in report and "| lamb | 16 | 4 x 4 | 256 (256) |" in report
     assert (tmp_path / "accuracy_vs_gpus.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_a_sweep_job_under_the_joblib_launcher_starts_its_processes(tmp_path):
+    """`lbt study`'s launcher (joblib's loky workers) runs a job of 2 tensor-parallel processes; the
+    workers must not inherit loky's start method, which they cannot restore."""
+    sweep = tmp_path / "sweep"
+    run = lbt_cli(["train", "-m", "hydra/launcher=local_parallel", *FAST, "model=mlp", "dist.procs=2",
+                   "dist.tensor_parallel=2", "trainer.max_steps=2", f"hydra.sweep.dir={sweep}"], tmp_path, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert json.loads((sweep / "0" / "result.json").read_text())["tensor_parallel"] == 2
