@@ -15,6 +15,10 @@ with BatchNorm statistics per worker chunk. Sequential (dist.fuse_workers=false)
 Local SGD between simulated workers (lbt/techniques/local_sgd.py) runs that
 step once per worker instead, each on its own model and its b samples.
 
+With tensor parallelism (lbt/tensor_parallel.py) each "process" above is a group of T
+processes that read the same samples and split the dense layers; the gradients are
+averaged over the groups after the passes, without DDP.
+
 Forward and loss run under trainer.precision's autocast; with fp16 the
 gradients are unscaled before the techniques and the optimizer read them
 (lbt/accel.py).
