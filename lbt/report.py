@@ -28,6 +28,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from lbt.config import auto_tensor_parallel
 from lbt.critical import bootstrap_fit, crossing_step, gns_summary
 from lbt.errors import ConfigError
 from lbt.objective import ACC, Metric, metric_named
@@ -215,15 +216,13 @@ def hybrid_points(rows: list[Row], jobs: list[dict], caps: dict[str, int], metri
     so the W-GPU hybrid scores what the W/T-worker data-parallel run at that batch scored: a point is "run"
     when a job ran it as DP x T, else it follows from exactness (the data-parallel run at W/T).
     Only points with T > 1 (below the cap the hybrid is data parallelism)."""
-    from lbt.config import auto_tensor_parallel
-
     by_dir = {j["job_dir"]: j for j in jobs}
     points = []
     for recipe, cap in sorted(caps.items()):
         mine = {r.global_batch: r for r in rows if r.recipe == recipe and math.isfinite(r.final(metric))}
         done = [j for j in jobs if j.get("series") == recipe and "error" not in j and j.get("per_worker_batch")]
+        b = int(done[0]["per_worker_batch"]) if done else 0
         for gpus in sorted({int(j["world_size"]) for j in done}):
-            b = int(done[0]["per_worker_batch"])
             try:
                 t = auto_tensor_parallel(gpus, b, cap)
             except ConfigError:
@@ -475,7 +474,7 @@ def _fmt(value, spec: str = ".4f", std=None) -> str:
 
 
 def markdown(rows: list[Row], target: float | None, crit: dict, jobs: list[dict], answer: dict | None = None,
-             metric: Metric = ACC, hybrid: tuple[list[dict], bool] = ([], False)) -> str:
+             metric: Metric = ACC, hybrid: list[dict] = (), hybrid_cap_given: bool = False) -> str:
     split = "val" if any(r.split == "val" for r in rows) else "test"
     lines = ["# lbt study report", ""]
     if split == "val":
@@ -540,7 +539,7 @@ def markdown(rows: list[Row], target: float | None, crit: dict, jobs: list[dict]
         lines += ["", "## Failed jobs", ""]
         lines += [f"- `{j['job_dir']}` ({j['series']}): {j['error']}" for j in failed]
     # The answer is the report's last section; the hybrid (past the answer's batches) comes just before it.
-    lines += hybrid_lines(*hybrid[:1], split, metric, hybrid[1])
+    lines += hybrid_lines(list(hybrid), split, metric, hybrid_cap_given)
     if answer is not None:
         lines += answer_lines(answer)
     return "\n".join(lines) + "\n"
@@ -724,7 +723,8 @@ def write_report(study_dir: str | Path, target: float | None = None, tolerance: 
         answer["time_to_accuracy"] = time_to_accuracy(rows, answer, jobs, study_dir, network, step_ms)
     curves = f"{judge.label}_vs_batch.png"
     hybrid = hybrid_points(rows, jobs, hybrid_caps(answer, hybrid_cap), judge)
-    (study_dir / "report.md").write_text(markdown(rows, target, crit, jobs, answer, judge, (hybrid, bool(hybrid_cap))))
+    report = markdown(rows, target, crit, jobs, answer, judge, hybrid, hybrid_cap is not None)
+    (study_dir / "report.md").write_text(report)
     plot_accuracy(rows, crit, study_dir / curves, judge)
     files = ["report.md", curves, "steps_to_target.png", "gns_over_training.png", "summary.json", SUMMARY_DIR]
     if hybrid:

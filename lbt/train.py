@@ -127,7 +127,7 @@ def check_layout(config: dict, env: dict | None) -> int:
         if dist_cfg.get("procs") not in (None, env["procs"]):
             raise ConfigError(f"dist.procs={dist_cfg['procs']} but torchrun started {env['procs']} processes")
         dist_cfg["procs"] = env["procs"]
-    tp = resolve_tensor_parallel(dist_cfg, trainer, env)
+    resolve_tensor_parallel(dist_cfg, trainer, env)
     procs = dist_cfg.get("procs") or lbt_dist.default_procs()
     dist_cfg["procs"] = procs
     dist_cfg["world_size"] = dist_cfg.get("world_size") or procs
