@@ -18,15 +18,16 @@ critical path: the activation collectives sit between layers, and lbt's tensor-p
 average gradients after the backward without DDP (no overlap, no compression hooks).
 
 Which layers split, the runtime's rule (lbt/tensor_parallel.py; Megatron-LM's split):
-- consecutive nn.Linear pairs in an nn.Sequential (only elementwise modules between) and the MLP
-  of every nn.TransformerEncoderLayer (linear1, linear2) become (colwise, rowwise): forward one
+- consecutive nn.Linear pairs in an nn.Sequential (only elementwise modules between), the qkv and
+  out projections of lbt's SelfAttention (split by heads) and the MLP of every
+  nn.TransformerEncoderLayer (linear1, linear2) become (colwise, rowwise): forward one
   allreduce of the pair's output (b x out_features of the second), backward one allreduce of the
   first layer's input gradient (b x in_features; none when that input needs no gradient, as the
   data of an MLP's first layer);
 - a model without a pair splits its only Linear (cnn1d's head, mlp with num_layers=0) colwise with
   the output gathered: forward one all-gather of b x out_features, backward one allreduce of
   b x in_features (again only when the input needs a gradient);
-- everything else (convolutions, norms, embeddings, attention, an unpaired head) is replicated.
+- everything else (convolutions, norms, embeddings, an unpaired head) is replicated.
 Bytes are fp32; per sample they count every position (a transformer's tokens), read from one
 forward pass. A split width T does not divide makes that T impossible for the model.
 

@@ -644,7 +644,10 @@ def plot_steps(rows: list[Row], jobs: list[dict], target: float | None, crit: di
     ax.set_ylabel(f"steps to {split} {metric.label} {metric.show(target)}{metric.suffix}" if target is not None
                   else "steps to target")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    else:  # an empty plot says why rather than showing bare axes
+        ax.text(0.5, 0.5, "no run reached the target", transform=ax.transAxes, ha="center", va="center")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

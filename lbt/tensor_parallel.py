@@ -7,11 +7,13 @@ the dense layers). Splits use torch's tensor-parallel API on a 2-D `DeviceMesh` 
     pair of Linears (only elementwise modules between):  ColwiseParallel, RowwiseParallel
         forward: one allreduce of the pair's output; backward: one of the first layer's input gradient
         (Megatron-LM's split: the activation between the two never leaves its rank)
+    attention (lbt's SelfAttention): its qkv and out projections as such a pair, by heads: a rank
+        computes H/T whole heads, since attention mixes positions but never heads
     a lone Linear (cnn1d's head):  ColwiseParallel with its output gathered (an all-gather)
 
 A model that has pairs keeps an unpaired trailing Linear (the classifier head) whole: its output
 is small and the pair before it already gives each rank the full activation. Everything else
-(convolutions, norms, embeddings, attention) stays replicated in every rank of the group.
+(convolutions, norms, embeddings) stays replicated in every rank of the group.
 
 Gradients of all parameters (local shards of the split ones) are then averaged over the DP ranks
 by `DataParallelGradients`: one allreduce over the "dp" process group per bucket. Not DDP: DDP over
@@ -50,20 +52,27 @@ class Split:
     name: str
     style: str
     width: int  # the sharded dimension: out_features (colwise, gather) or in_features (rowwise)
+    unit: str = "features"  # or "heads": an attention projection shards whole heads
 
 
 def split_plan(model: nn.Module) -> list[Split]:
     """Which Linears to split, by the rule in this module's docstring (pure: reads the model only).
 
-    Pairs are found in every nn.Sequential (consecutive Linears, elementwise modules between) and in
-    every nn.TransformerEncoderLayer (its MLP: linear1, linear2). Without a pair, a model with a
+    Pairs are found in every nn.Sequential (consecutive Linears, elementwise modules between), in
+    every SelfAttention (qkv, out; its width is its heads) and in every nn.TransformerEncoderLayer
+    (its MLP: linear1, linear2; torch's packed attention stays whole). Without a pair, a model with a
     single Linear splits that one (gathered); a model with several unpaired Linears and no pair
     splits none.
     """
+    from lbt.models.transformer1d import SelfAttention
+
     splits: list[Split] = []
     for prefix, module in model.named_modules():
         dotted = f"{prefix}." if prefix else ""
-        if isinstance(module, nn.TransformerEncoderLayer):
+        if isinstance(module, SelfAttention):
+            splits += [Split(f"{dotted}qkv", "colwise", module.heads, "heads"),
+                       Split(f"{dotted}out", "rowwise", module.heads, "heads")]
+        elif isinstance(module, nn.TransformerEncoderLayer):
             splits += [Split(f"{dotted}linear1", "colwise", module.linear1.out_features),
                        Split(f"{dotted}linear2", "rowwise", module.linear2.in_features)]
         elif isinstance(module, nn.Sequential):
@@ -97,11 +106,12 @@ def why_not(splits: list[Split], tensor_parallel: int) -> str | None:
     if tensor_parallel == 1:
         return None
     if not splits:
-        return ("no dense layer to split (lbt splits pairs of Linear layers in an nn.Sequential, the MLP of an "
-                "nn.TransformerEncoderLayer, or a model's only Linear)")
+        return ("no dense layer to split (lbt splits pairs of Linear layers in an nn.Sequential, lbt's SelfAttention "
+                "by heads, the MLP of an nn.TransformerEncoderLayer, or a model's only Linear)")
     for split in splits:
         if split.width % tensor_parallel:
-            return f"width {split.width} of layer {split.name} ({split.style} split) is not divisible by {tensor_parallel}"
+            size = f"width {split.width}" if split.unit == "features" else f"{split.width} {split.unit}"
+            return f"{size} of layer {split.name} ({split.style} split) is not divisible by {tensor_parallel}"
     return None
 
 

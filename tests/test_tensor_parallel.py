@@ -4,6 +4,7 @@ and exactness: DP x T on P = DP x T processes takes the steps DP data-parallel w
 import json
 
 import pytest
+import torch
 from torch import nn
 
 from conftest import FAST, final_params, lbt_cli, relative_diff, train
@@ -12,7 +13,7 @@ from lbt.errors import ConfigError
 from lbt.models.cnn1d import CNN1d
 from lbt.models.mlp import MLP
 from lbt.models.resnet20 import ResNet20
-from lbt.models.transformer1d import Transformer1d
+from lbt.models.transformer1d import SelfAttention, Transformer1d
 from lbt.tensor_parallel import Split, check_splittable, split_plan
 
 STEPS = ["data.num_train=1280", "trainer.epochs=1", "optim.lr=0.05"]  # 1280 / 64 = 20 steps
@@ -37,11 +38,36 @@ def test_a_pair_broken_by_a_non_elementwise_module_is_not_split():
         [Split("0", "colwise", 8), Split("3", "rowwise", 8)]
 
 
-def test_transformer_blocks_split_their_mlp():
+def test_transformer_blocks_split_attention_by_heads_and_their_mlp():
     splits = split_plan(Transformer1d(dim=16, depth=2, heads=2, mlp_ratio=2))
-    assert [(s.name, s.style, s.width) for s in splits] == [
-        ("blocks.layers.0.linear1", "colwise", 32), ("blocks.layers.0.linear2", "rowwise", 32),
-        ("blocks.layers.1.linear1", "colwise", 32), ("blocks.layers.1.linear2", "rowwise", 32)]
+    assert [(s.name, s.style, s.width, s.unit) for s in splits] == [
+        ("blocks.0.attn.qkv", "colwise", 2, "heads"), ("blocks.0.attn.out", "rowwise", 2, "heads"),
+        ("blocks.0.mlp.0", "colwise", 32, "features"), ("blocks.0.mlp.3", "rowwise", 32, "features"),
+        ("blocks.1.attn.qkv", "colwise", 2, "heads"), ("blocks.1.attn.out", "rowwise", 2, "heads"),
+        ("blocks.1.mlp.0", "colwise", 32, "features"), ("blocks.1.mlp.3", "rowwise", 32, "features")]
+    # torch's own encoder layer: its MLP splits, its packed attention stays whole
+    assert split_plan(nn.TransformerEncoderLayer(8, 2, 16)) == [Split("linear1", "colwise", 16),
+                                                                 Split("linear2", "rowwise", 16)]
+    with pytest.raises(ConfigError, match="2 heads of layer blocks.0.attn.qkv .colwise split. is not divisible by 4"):
+        check_splittable(splits, 4, "Transformer1d")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_self_attention_is_torchs_multi_head_attention_with_heads_laid_out_one_by_one(causal):
+    """SelfAttention's qkv rows, head by head (q, k, v of head 0, then of head 1, ...), moved to
+    nn.MultiheadAttention's layout (all queries, all keys, all values) give the same output."""
+    torch.manual_seed(0)
+    dim, heads, length = 12, 3, 5
+    ours, torchs = SelfAttention(dim, heads), nn.MultiheadAttention(dim, heads, batch_first=True)
+    order = torch.arange(3 * dim).view(heads, 3, dim // heads).transpose(0, 1).flatten()  # torch's row -> ours
+    with torch.no_grad():
+        torchs.in_proj_weight.copy_(ours.qkv.weight[order])
+        torchs.in_proj_bias.copy_(ours.qkv.bias.uniform_(-1, 1)[order])
+        torchs.out_proj.load_state_dict(ours.out.state_dict())
+    x = torch.randn(2, length, dim)
+    mask = nn.Transformer.generate_square_subsequent_mask(length) if causal else None
+    expected, _ = torchs(x, x, x, attn_mask=mask, need_weights=False)
+    assert torch.allclose(ours(x, causal), expected, atol=1e-6)
 
 
 def test_nothing_to_split_or_a_width_t_does_not_divide_is_one_line():
@@ -86,7 +112,7 @@ def test_one_group_of_two_equals_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_norms_over_split_layers_count_every_shard(tmp_path):
-    """A transformer whose blocks' MLPs are split, trained by LAMB with gradient clipping (each rank clips
+    """A transformer whose blocks' attention (by heads) and MLPs are split, trained by LAMB with gradient clipping (each rank clips
     by the whole gradient's norm: the shards' norms summed over the group with the replicated ones'), and
     the noise scale measured over 4 simulated workers: the split run equals the unsplit one."""
     common = ["model=transformer1d", "model.dim=16", "model.depth=1", "model.heads=2", "optim=lamb",
