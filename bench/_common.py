@@ -78,6 +78,18 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def median_interval(values: list[float], level: float = 0.9, resamples: int = 2000) -> tuple[float, float]:
+    """A bootstrap interval of the median: how far the verdict could move with other repeats."""
+    import random
+
+    if len(values) < 2:
+        return (median(values), median(values))
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    tail = (1 - level) / 2
+    return medians[int(tail * resamples)], medians[int((1 - tail) * resamples) - 1]
+
+
 def spread(values: list[float]) -> str:
     """`median (min-max, n=5)`, the way every table shows a repeated figure."""
     if not values:

@@ -29,7 +29,7 @@ class DistConfig:
     procs: Optional[int] = None
     backend: str = "auto"
     timeout_s: int = 120
-    fuse_workers: bool = True
+    fuse_workers: Any = "auto"  # true, false or auto (lbt/fused.py: fuse_passes)
     max_restarts: int = 0
     tensor_parallel: Any = 1  # an int, or "auto" (see `auto_tensor_parallel`)
     max_global_batch: Optional[int] = None
@@ -95,6 +95,7 @@ def check_trainer(cfg: dict) -> None:
 def check_dist(cfg: dict, under_torchrun: bool) -> None:
     number("dist.timeout_s", cfg["timeout_s"], 0, 86_400, low_open=True)
     one_of("dist.backend", cfg["backend"], ("auto", "gloo", "nccl"))
+    one_of("dist.fuse_workers", cfg["fuse_workers"], (True, False, "auto"))
     integer("dist.max_restarts", cfg["max_restarts"], 0, 1000)
     if under_torchrun and cfg["max_restarts"]:
         raise ConfigError("dist.max_restarts is for lbt's local launcher; under torchrun give --max-restarts "

@@ -215,13 +215,16 @@ def hybrid_points(rows: list[Row], jobs: list[dict], caps: dict[str, int], metri
     the global batch b x W / T at or below the cap (`dist.tensor_parallel=auto`). Tensor parallelism is exact,
     so the W-GPU hybrid scores what the W/T-worker data-parallel run at that batch scored: a point is "run"
     when a job ran it as DP x T, else it follows from exactness (the data-parallel run at W/T).
-    Only points with T > 1 (below the cap the hybrid is data parallelism)."""
+    Only points with T > 1 (below the cap the hybrid is data parallelism). A T that cannot split the
+    recipe's model (a layer width or head count it does not divide) gives a point marked `impossible`,
+    with no score: exactness says nothing about a run lbt cannot start."""
     by_dir = {j["job_dir"]: j for j in jobs}
     points = []
     for recipe, cap in sorted(caps.items()):
         mine = {r.global_batch: r for r in rows if r.recipe == recipe and math.isfinite(r.final(metric))}
         done = [j for j in jobs if j.get("series") == recipe and "error" not in j and j.get("per_worker_batch")]
         b = int(done[0]["per_worker_batch"]) if done else 0
+        refusal = split_refusal(done[0].get("config")) if done else (lambda t: None)
         for gpus in sorted({int(j["world_size"]) for j in done}):
             try:
                 t = auto_tensor_parallel(gpus, b, cap)
@@ -229,6 +232,11 @@ def hybrid_points(rows: list[Row], jobs: list[dict], caps: dict[str, int], metri
                 continue
             row = mine.get(b * gpus // t)
             if t == 1 or row is None:
+                continue
+            reason = refusal(t)
+            if reason is not None:
+                points.append({"recipe": recipe, "gpus": gpus, "tensor_parallel": t, "data_parallel": gpus // t,
+                               "global_batch": row.global_batch, "cap": cap, "impossible": reason})
                 continue
             ran = [by_dir[d] for d in row.jobs
                    if by_dir[d].get("tensor_parallel") == t and by_dir[d].get("world_size") == gpus]
@@ -239,6 +247,18 @@ def hybrid_points(rows: list[Row], jobs: list[dict], caps: dict[str, int], metri
                            "source": _ran(ran, [by_dir[d] for d in row.jobs], metric) if ran
                            else f"exactness: the {gpus // t}-worker data-parallel run"})
     return points
+
+
+def split_refusal(config: dict | None):
+    """A function T -> why T cannot split the model this job config trains (None: it can), as
+    lbt/tensor_parallel.py would refuse it; without a config (older result.json) it refuses nothing."""
+    if not config or "model" not in config or "data" not in config:
+        return lambda t: None
+    from lbt.plan import build_model, data_shape
+    from lbt.tensor_parallel import split_plan, why_not
+
+    splits = split_plan(build_model(config["model"], data_shape(config["data"])))
+    return lambda t: why_not(splits, t)
 
 
 def _ran(hybrids: list[dict], members: list[dict], metric: Metric) -> str:
@@ -277,6 +297,10 @@ def hybrid_lines(points: list[dict], split: str, metric: Metric, given_cap: bool
              f"| recipe | GPUs | DP x T | global batch (cap) | final {split} {m}, hybrid | final {split} {m}, "
              "data parallel only | hybrid point |", "|---|---:|---:|---:|---:|---:|---|"]
     for p in points:
+        if "impossible" in p:
+            lines.append(f"| {p['recipe']} | {p['gpus']} | {p['data_parallel']} x {p['tensor_parallel']} | "
+                         f"{p['global_batch']:,} ({p['cap']:,}) | - | - | not possible: {p['impossible']} |")
+            continue
         spread = f" ± {show(p[f'{m}_std'])}" if p["seeds"] > 1 else ""
         only = "not run" if p["data_parallel_only"] is None else f"{show(p['data_parallel_only'])}{metric.suffix}"
         lines.append(f"| {p['recipe']} | {p['gpus']} | {p['data_parallel']} x {p['tensor_parallel']} | "
@@ -597,6 +621,7 @@ def plot_gpus(rows: list[Row], points: list[dict], path: Path, metric: Metric = 
     the batch cap (dashed; filled markers were run as DP x T, hollow ones follow from exactness)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    points = [p for p in points if "impossible" not in p]
     for recipe in sorted({p["recipe"] for p in points}):
         dp = sorted((r for r in rows if r.recipe == recipe and math.isfinite(r.final(metric))),
                     key=lambda r: r.world_size)
@@ -730,7 +755,7 @@ def write_report(study_dir: str | Path, target: float | None = None, tolerance: 
     (study_dir / "report.md").write_text(report)
     plot_accuracy(rows, crit, study_dir / curves, judge)
     files = ["report.md", curves, "steps_to_target.png", "gns_over_training.png", "summary.json", SUMMARY_DIR]
-    if hybrid:
+    if any("impossible" not in p for p in hybrid):
         plot_gpus(rows, hybrid, study_dir / f"{judge.label}_vs_gpus.png", judge)
         files.insert(2, f"{judge.label}_vs_gpus.png")
     plot_steps(rows, jobs, target, crit, study_dir / "steps_to_target.png", judge)

@@ -2,8 +2,9 @@
 
 One optimizer step of synchronous data-parallel SGD over `world_size` W
 workers, run by `procs` P processes that each simulate k = W/P workers.
-Fused (default, see lbt/fused.py): one forward/backward over the k*b samples
-with BatchNorm statistics per worker chunk. Sequential (dist.fuse_workers=false):
+Fused (lbt/fused.py): one forward/backward over the k*b samples with BatchNorm
+statistics per worker chunk. Sequential (dist.fuse_workers=false, and auto's choice
+for per-worker batches >= 256 with BatchNorm on CPU):
 
     for each local worker i (k of them, one after another):
         loss_i = mean loss over its per_worker_batch samples  # BN sees b samples, as on a GPU
@@ -38,6 +39,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
 from lbt.accel import Precision, compile_forward, memory_format
@@ -46,7 +48,7 @@ from lbt.config import BatchPlan, Budget
 from lbt.data import DataSplits
 from lbt.data.batches import StepBatches, eval_batches
 from lbt.dist import BufferMean, DistContext, all_reduce_sum, average_buffers
-from lbt.fused import per_worker_batchnorm, set_per_worker_batch
+from lbt.fused import fuse_passes, per_worker_batchnorm, set_per_worker_batch
 from lbt.lr import Schedule, optimizer_settings, peak
 from lbt.metrics.tensorboard import RunLogger
 from lbt.metrics.text_log import say
@@ -138,7 +140,7 @@ class LoopSettings:
     progress: bool = True
     eval_batch: int = 1024
     evals: int = 20  # evaluations spaced log-uniformly in samples seen, besides those at epoch ends
-    fuse_workers: bool = True
+    fuse_workers: bool | str = "auto"  # see lbt/fused.py: fuse_passes
     checkpoint_every: int = 0  # epochs; 0 = only when stopped by a signal
     compile: bool = False  # torch.compile the training forward
     channels_last: bool = False  # inputs (and the model, lbt/train.py) in channels_last layout
@@ -199,9 +201,8 @@ class Trainer:
         self.log = logger or RunLogger(None)
         self.checkpointer = checkpointer
         self.worker_norms = []
-        # Fused: one pass over the process's workers (lbt/fused.py); a model without BatchNorm needs
-        # no per-worker statistics for that, and its one pass is 1.6x faster than 16 of a 16th.
-        self.fused = settings.fuse_workers
+        # Fused: one pass over the process's workers (lbt/fused.py), or one per worker (fuse_passes).
+        self.has_batchnorm = any(isinstance(m, _BatchNorm) for m in model.modules())
         self.fuse_simulated_workers(budget)
         self.ddp, self.timer = model, StepTimer(ctx.device)
         # Tensor parallelism (lbt/tensor_parallel.py): gradients averaged over the data-parallel ranks
@@ -216,7 +217,6 @@ class Trainer:
         self.memory_format = memory_format(settings.channels_last)
         self.step_batches: dict[BatchPlan, StepBatches] = {}  # one per batch layout: its DataLoader lives on
         self.buffer_mean = BufferMean(model)
-        self.wants_worker_gradient = any(t.wants_worker_gradient for t in techniques)
         self.lr_follows_batch = any(t.lr_follows_batch for t in techniques)
         # A technique that stands in for the allreduce between simulated workers (gradient compression).
         self.simulated_comm = next((t.simulated_comm for t in techniques if t.simulated_comm is not None), None) \
@@ -231,9 +231,14 @@ class Trainer:
         self.state, self.result, self.stop_requested = LoopState(), Result(self.eval_split), False
         self.on_step = None
 
+    def fuses(self, plan: BatchPlan) -> bool:
+        """One pass over this layout's workers of a process, or one pass per worker."""
+        return fuse_passes(self.settings.fuse_workers, plan.per_worker_batch, self.has_batchnorm, self.ctx.device.type)
+
     def fuse_simulated_workers(self, budget: Budget) -> None:
-        """Per-worker BatchNorm statistics, once some epoch simulates several workers per process."""
-        if self.fused and not self.worker_norms and any(p.workers_per_proc > 1 for p in budget.plans):
+        """Per-worker BatchNorm statistics, once some epoch runs several workers per process in one pass
+        (a pass of one worker through them is plain BatchNorm)."""
+        if not self.worker_norms and any(p.workers_per_proc > 1 and self.fuses(p) for p in budget.plans):
             self.worker_norms = per_worker_batchnorm(self.model, budget.plans[0].per_worker_batch)
 
     def set_budget(self, budget: Budget) -> None:
@@ -428,9 +433,9 @@ class Trainer:
         """
         workers = plan.workers_per_proc
         self.optimizer.zero_grad(set_to_none=True)
-        if workers > 1 and self.wants_worker_gradient:
+        if workers > 1 and any(t.wants_worker_gradient(self.state.step) for t in self.techniques):
             self.measure_first_worker(inputs[:plan.per_worker_batch], labels[:plan.per_worker_batch], workers)
-        if workers > 1 and (not self.fused or self.simulated_comm):
+        if workers > 1 and (not self.fuses(plan) or self.simulated_comm):
             passes = [(x, y, 1) for x, y in zip(inputs.chunk(workers), labels.chunk(workers))]
         else:
             passes = [(inputs, labels, workers)]  # one worker, or fused workers

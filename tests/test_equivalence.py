@@ -72,3 +72,26 @@ def test_bn_epoch_average_is_the_same_fused_and_sequential(tmp_path):
     assert relative_diff(final_params(tmp_path / "fused"), final_params(tmp_path / "seq")) < 1e-5
     assert fused["final_test_loss"] == pytest.approx(sequential["final_test_loss"], rel=1e-4)
     assert fused["final_test_acc"] == pytest.approx(sequential["final_test_acc"], abs=1e-9)
+
+
+def test_auto_fuses_unless_batchnorm_passes_are_big_on_cpu():
+    from lbt.fused import SEQUENTIAL_FROM, fuse_passes
+
+    assert fuse_passes("auto", SEQUENTIAL_FROM - 1, True, "cpu")
+    assert not fuse_passes("auto", SEQUENTIAL_FROM, True, "cpu")  # the fold's copies cost more than k passes
+    assert fuse_passes("auto", 4096, False, "cpu")  # no BatchNorm: nothing to copy, one pass wins
+    assert fuse_passes("auto", 4096, True, "cuda")
+    assert fuse_passes(True, 4096, True, "cpu") and not fuse_passes(False, 16, False, "cpu")
+
+
+@pytest.mark.parametrize("per_worker_batch, same_as", [(256, "false"), (16, "true")])
+def test_auto_takes_the_path_its_rule_names(tmp_path, per_worker_batch, same_as):
+    """cnn1d (BatchNorm), 2 simulated workers: auto is bitwise the sequential run at b=256, the fused one at b=16."""
+    common = ["model=cnn1d", "model.channels=8", f"data.num_train={4 * 2 * per_worker_batch}", "trainer.epochs=1",
+              "dist.world_size=2", f"trainer.per_worker_batch={per_worker_batch}", "trainer.evals=0"]
+    train(tmp_path / "auto", common + ["dist.fuse_workers=auto"])
+    train(tmp_path / "chosen", common + [f"dist.fuse_workers={same_as}"])
+    train(tmp_path / "other", common + [f"dist.fuse_workers={'true' if same_as == 'false' else 'false'}"])
+    auto, chosen = final_params(tmp_path / "auto"), final_params(tmp_path / "chosen")
+    assert auto.equal(chosen)
+    assert not auto.equal(final_params(tmp_path / "other"))  # the two paths' float sums differ: the check can fail

@@ -10,7 +10,15 @@ from torch.func import functional_call, grad, vmap
 from conftest import train
 from lbt.data.synthetic import build_synthetic
 from lbt.models import MLP
-from lbt.techniques.gns import NoiseScaleEstimator, finite_population_factor, noise_scale_terms
+from lbt.config import BatchPlan
+from lbt.techniques.base import Progress
+from lbt.techniques.gns import (
+    GradientNoiseScale,
+    NoiseScaleEstimator,
+    finite_population_factor,
+    measure_every,
+    noise_scale_terms,
+)
 
 
 def test_finite_population_factor_by_hand():
@@ -67,6 +75,8 @@ LAYOUTS = {
     "simulated": ["dist.world_size=4", "trainer.per_worker_batch=16"],
     "real+simulated": ["dist.world_size=4", "dist.procs=2", "trainer.per_worker_batch=16"],
     "real": ["dist.world_size=2", "dist.procs=2", "trainer.per_worker_batch=32"],  # via the DDP comm hook
+    # the extra pass every 4th step only, the EMA's decay per measurement 0.99^4
+    "simulated, every 4th step": ["dist.world_size=4", "trainer.per_worker_batch=16", "technique.gns.every=4"],
 }
 
 
@@ -77,7 +87,8 @@ def test_in_training_estimate_matches_per_example_gradients(tmp_path, layout):
     num_train = 256
     result = train(tmp_path, [*layout, "model=mlp", f"data.num_train={num_train}",
                               "trainer.epochs=100", "optim.lr=1e-9", "optim.momentum=0", "optim.weight_decay=0",
-                              "schedule=constant", "technique=[gns]", "technique.gns.ema_decay=0.99"])
+                              "schedule=constant", "technique=[gns]", "technique.gns.ema_decay=0.99",
+                              *([] if "technique.gns.every=4" in layout else ["technique.gns.every=1"])])
     estimate = result["technique_metrics"]["gns/b_simple"]
     data = build_synthetic(num_train=num_train)
     model = MLP(input_shape=data.input_shape, num_classes=data.num_classes)
@@ -85,3 +96,25 @@ def test_in_training_estimate_matches_per_example_gradients(tmp_path, layout):
     exact = exact_b_simple(model, data.train.x, data.train.y)
     assert math.isfinite(estimate)
     assert estimate == pytest.approx(exact, rel=0.25)
+
+
+def test_auto_measures_often_enough_to_cost_about_three_percent():
+    # one worker per process: the DDP hook reads its gradient for free, every step
+    assert measure_every("auto", 1) == 1
+    # k simulated workers: the extra pass costs about 1.5/k of a step; every ceil(50/k) steps
+    assert [measure_every("auto", k) for k in (2, 4, 16, 64, 128)] == [25, 13, 4, 1, 1]
+    assert measure_every(3, 16) == 3
+
+
+def test_every_nth_step_measures_and_decays_per_step():
+    gns = GradientNoiseScale(ema_decay=0.9, every="auto")
+    gns.check_plan(BatchPlan(world_size=16, procs=1, per_worker_batch=64, global_batch=1024))
+    assert gns.every == 4 and gns.estimator.decay == pytest.approx(0.9 ** 4)
+    assert [step for step in range(10) if gns.wants_worker_gradient(step)] == [0, 4, 8]
+    model = torch.nn.Linear(2, 1)
+    model.weight.grad, model.bias.grad = torch.ones(1, 2), torch.ones(1)
+    for step in range(5):  # the trainer hands over worker 0's gradient only where asked
+        if gns.wants_worker_gradient(step):
+            gns.on_worker_gradient([torch.full((1, 2), 2.0), torch.full((1,), 2.0)], 64, 16)
+        gns.after_backward(model, Progress(step * 1024, step, 0, 1024, 60_000))
+    assert gns.estimator.weight == pytest.approx(1 - 0.9 ** 8)  # two measurements: steps 0 and 4

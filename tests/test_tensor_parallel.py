@@ -179,3 +179,22 @@ def test_a_sweep_job_under_the_joblib_launcher_starts_its_processes(tmp_path):
                    "dist.tensor_parallel=2", "trainer.max_steps=2", f"hydra.sweep.dir={sweep}"], tmp_path, timeout=300)
     assert run.returncode == 0, run.stderr
     assert json.loads((sweep / "0" / "result.json").read_text())["tensor_parallel"] == 2
+
+
+def test_report_marks_a_split_the_model_cannot_take(tmp_path):
+    """cnn1d's only split layer is its 10-class head: T=2 splits it, T=4 cannot (the run would be refused),
+    so the 16-GPU point at cap 256 is marked impossible and given no score."""
+    from lbt.report import write_report
+
+    config = {"model": {"_target_": "lbt.models.CNN1d", "channels": 16},
+              "data": {"_target_": "lbt.data.build_synthetic", "num_train": 64, "num_test": 16}}
+    jobs = [_job("0", 1, 0.99), _job("1", 4, 0.98), _job("3", 8, 0.90), _job("4", 16, 0.80)]
+    for job in jobs:
+        folder = tmp_path / job.pop("job_dir")
+        folder.mkdir()
+        (folder / "result.json").write_text(json.dumps({**job, "config": config}))
+    summary = write_report(tmp_path, tolerance=0.05, hybrid_cap=256)
+    points = {p["gpus"]: p for p in summary["hybrid"]}
+    assert points[8]["tensor_parallel"] == 2 and "impossible" not in points[8]
+    assert points[16]["impossible"] == "width 10 of layer 11 (gather split) is not divisible by 4"
+    assert "| 16 | 4 x 4 | 256 (256) | - | - | not possible: width 10" in (tmp_path / "report.md").read_text()

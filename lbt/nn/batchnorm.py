@@ -47,6 +47,8 @@ def ghost_batch_norm(
             f"a BN layer sees; choose a divisor of trainer.per_worker_batch"
         )
     chunks = n // virtual_batch
+    if chunks == 1:  # one chunk (a worker's own pass): plain BN, without the fold's copies
+        return F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)
     # One F.batch_norm call: chunk j's channels become channels j*C..j*C+C-1 of
     # a (v, chunks*C, *) tensor, so per-channel statistics are per-chunk ones.
     folded = x.reshape(chunks, virtual_batch, c, *rest).transpose(0, 1).reshape(virtual_batch, chunks * c, *rest)

@@ -23,7 +23,7 @@ Where each hook fires in a run (lbt/train.py builds, lbt/trainer.py loops):
             if a technique t.runs_workers(step):                  # local SGD between simulated workers:
                 t.run_workers(step, one_worker_step, inputs, labels)  # each worker the step below, on its model
             else: one synchronous step:
-                if a technique wants_worker_gradient:             # beside the step, changing nothing:
+                if a technique wants_worker_gradient(step):       # beside the step, changing nothing:
                     t.on_worker_gradient(worker 0's own gradient, per_worker_batch, workers)  # noise scale
                 for worker in local workers: forward, backward    # no_sync but the last (or fused);
                                                                   # forward under trainer.precision's autocast
@@ -77,9 +77,6 @@ class Technique:
 
     order: ClassVar[int] = 50
     name: ClassVar[str] = "technique"
-    # True: the trainer computes a process's first worker's gradient on its own, beside
-    # the step, and calls on_worker_gradient with it.
-    wants_worker_gradient: ClassVar[bool] = False
     # What stands in for the allreduce between the simulated workers of one process, when the
     # technique changes what an allreduce sends (compression); see lbt.techniques.comm_compression.
     simulated_comm = None
@@ -134,6 +131,11 @@ class Technique:
 
     def on_epoch_start(self, epoch: int, model: nn.Module) -> None:
         pass
+
+    def wants_worker_gradient(self, step: int) -> bool:
+        """True: at this step the trainer computes a process's first worker's gradient on its own, beside
+        the step, and calls on_worker_gradient with it."""
+        return False
 
     def on_worker_gradient(self, grads: list[torch.Tensor], per_worker_batch: int, workers: int) -> None:
         """The first local worker's own gradient (of its mean loss), one tensor per trainable parameter."""

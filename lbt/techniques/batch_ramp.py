@@ -129,7 +129,8 @@ class AutoBatchRamp(GradientNoiseScale):
 
     def __init__(self, factor: int = 2, max_global_batch: int | None = None, grow: str = "per_worker_batch",
                  threshold: float = 1.0, ema_decay: float = 0.95):
-        super().__init__(ema_decay=number("technique.batch_ramp.ema_decay", ema_decay, 0, 1, high_open=True))
+        # Every step: its decisions change the run, and a free measurement (real workers) takes every step too.
+        super().__init__(ema_decay=number("technique.batch_ramp.ema_decay", ema_decay, 0, 1, high_open=True), every=1)
         self.grow = one_of("technique.batch_ramp.grow", grow, ("per_worker_batch", "world_size"))
         self.factor = integer("technique.batch_ramp.factor", factor, 2)
         self.max_global_batch = (None if max_global_batch is None

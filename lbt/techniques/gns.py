@@ -23,6 +23,7 @@ from lbt.config import BatchPlan
 from lbt.dist import note
 from lbt.techniques.base import CommHook, Progress, Technique
 from lbt.tensor_parallel import whole
+from lbt.validate import integer, number
 
 
 def finite_population_factor(batch: float, population: float | None) -> float:
@@ -74,8 +75,25 @@ def grad_sq_norm(model: nn.Module) -> torch.Tensor:
     return torch.stack([whole(g.double().pow(2).sum()) for g in grads]).sum()
 
 
+# `every: auto` keeps the measurement's extra pass near this share of a step's compute.
+AUTO_EVERY_COST = 0.03
+# A pass of one worker's b samples costs about this many times b/(k b) of a fused k-worker pass:
+# small passes use the hardware worse (measured: bench/gns_cost.py, cnn1d at b=64 on 2 CPU cores).
+SMALL_PASS_PENALTY = 1.5
+
+
+def measure_every(every: int | str, workers_per_proc: int) -> int:
+    """Measure on every n-th step: n as given, or for `auto` the smallest n whose extra pass costs about
+    AUTO_EVERY_COST of the step (1 where the worker's gradient comes free: one worker per process)."""
+    if every != "auto":
+        return every
+    if workers_per_proc == 1:
+        return 1
+    return max(1, math.ceil(SMALL_PASS_PENALTY / (workers_per_proc * AUTO_EVERY_COST)))
+
+
 class GradientNoiseScale(Technique):
-    """Measure B_simple every step: a running estimate of the critical batch size.
+    """Measure B_simple every n-th step: a running estimate of the critical batch size.
 
     The small batch is one worker's batch b. With several workers per process
     the trainer computes the first worker's gradient on its own, beside the step,
@@ -84,13 +102,19 @@ class GradientNoiseScale(Technique):
     way the step itself is the one the run takes without the measurement. Needs
     world_size >= 2; with one worker there is nothing to compare, and the
     technique records nothing. Order 80: before gradient clipping.
+
+    The extra pass of the first way costs about 1/k of a step of k fused workers (1.5/k measured): with
+    `every: auto` it runs every n-th step only (`measure_every`), and the EMA's decay per measurement
+    is ema_decay^n, so the average still spans the same number of steps (1 / (1 - ema_decay)).
     """
 
     name = "gns"
     order = 80
-    wants_worker_gradient = True
 
-    def __init__(self, ema_decay: float = 0.95, finite_population: bool = True):
+    def __init__(self, ema_decay: float = 0.95, finite_population: bool = True, every: int | str = "auto"):
+        self.ema_decay = number("technique.gns.ema_decay", ema_decay, 0, 1, high_open=True)
+        self.every_setting = every if every == "auto" else integer("technique.gns.every (or auto)", every, 1)
+        self.every: int | None = None  # decided by the first batch layout (check_plan)
         self.estimator = NoiseScaleEstimator(ema_decay)
         self.finite_population = finite_population
         self.worker_sq: torch.Tensor | None = None
@@ -102,6 +126,12 @@ class GradientNoiseScale(Technique):
     def check_plan(self, plan: BatchPlan) -> None:
         if plan.world_size == 1:
             note("measure gns: one worker in all, so no smaller batch to compare with: no noise scale is measured")
+        if self.every is None:
+            self.every = measure_every(self.every_setting, plan.workers_per_proc)
+            self.estimator.decay = self.ema_decay ** self.every
+
+    def wants_worker_gradient(self, step: int) -> bool:
+        return step % (self.every or 1) == 0
 
     def on_worker_gradient(self, grads: list[torch.Tensor], per_worker_batch: int, workers: int) -> None:
         self.worker_sq = torch.stack([whole(g.double().pow(2).sum()) for g in grads]).sum()
@@ -119,6 +149,8 @@ class GradientNoiseScale(Technique):
     def after_backward(self, model: nn.Module, progress: Progress) -> None:
         worker_sq, self.worker_sq = self.worker_sq, None
         hook_sq, self.hook_sq = self.hook_sq, None
+        if not self.wants_worker_gradient(progress.step):
+            return  # a real worker's hook read this step for free: skipped alike, so layouts measure alike
         procs = dist.get_world_size() if dist.is_initialized() else 1
         if worker_sq is None:
             if hook_sq is None or procs == 1:
@@ -164,4 +196,4 @@ class GradientNoiseScale(Technique):
             setattr(self.estimator, key, state[key])
 
     def describe(self) -> str:
-        return "gradient noise scale (B_simple)"
+        return "gradient noise scale (B_simple)" + (f", every {self.every} steps" if (self.every or 1) > 1 else "")
