@@ -63,6 +63,16 @@ def run_lbt(overrides: list[str], quiet: bool = True) -> dict:
     return result
 
 
+def timed_run(overrides: list[str], steps: int):
+    """A contender for `interleaved`: one in-process run of exactly `steps` steps, returning its samples/s."""
+    def run() -> float:
+        result = run_lbt(overrides)
+        if result["steps"] != steps:
+            raise RuntimeError(f"{overrides}: ran {result['steps']} steps, expected {steps}")
+        return float(result["samples_per_sec"])
+    return run
+
+
 def run_lbt_subprocess(overrides: list[str], timeout: float = 900) -> dict:
     """One `python -m lbt train OVERRIDES` in a fresh process (as a user runs it); returns result.json."""
     with tempfile.TemporaryDirectory(prefix="lbt-bench-") as run_dir:

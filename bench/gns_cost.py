@@ -23,21 +23,14 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import LoadWatch, describe_machine, headline, interleaved, median, pair_ratios, run_lbt  # noqa: E402
+from _common import (  # noqa: E402
+    LoadWatch, describe_machine, headline, interleaved, median, pair_ratios, run_lbt, timed_run,
+)
 
 BASE = ["model=cnn1d", "data=mnist1d", "trainer.per_worker_batch=64", "trainer.threads=1", "trainer.epochs=1"]
 WORLD_SIZES = [4, 16, 64, 128]
 ARMS = {"none": [], "every=1": ["measure=[gns]", "technique.gns.every=1"],
         "every=auto": ["measure=[gns]", "technique.gns.every=auto"]}
-
-
-def samples_per_sec(args: list[str], steps: int):
-    def run() -> float:
-        result = run_lbt(args)
-        if result["steps"] != steps:
-            raise RuntimeError(f"{args}: ran {result['steps']} steps, expected {steps}")
-        return float(result["samples_per_sec"])
-    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         epochs = -(-steps * 64 * w // 54_000)
         common = [*BASE, f"dist.world_size={w}", f"trainer.max_steps={steps}", f"trainer.epochs={epochs}",
                   "trainer.evals=0"]
-        contenders = {arm: samples_per_sec(common + extra, steps) for arm, extra in ARMS.items()}
+        contenders = {arm: timed_run(common + extra, steps) for arm, extra in ARMS.items()}
         for arm, extra in ARMS.items():  # warm-up, unmeasured
             run_lbt([*BASE, f"dist.world_size={w}", "trainer.max_steps=2", *extra])
         values = interleaved(contenders, repeats, watch)

@@ -33,10 +33,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     LoadWatch, describe_machine, headline, interleaved, median, median_interval, pair_ratios, run_lbt,
-    run_lbt_subprocess, spread,
+    run_lbt_subprocess, spread, timed_run,
 )
 
 WORLD_SIZES = [2, 4, 16, 64, 128]
+TRAIN_SAMPLES = 54_000  # MNIST-1D's 60,000 training samples less the 10% validation split: one epoch
 BASE = ["model=cnn1d", "data=mnist1d", "trainer.epochs=1"]
 
 
@@ -45,15 +46,6 @@ def overrides(world_size: int, global_batch: int, steps: int, threads: int, fuse
     return [*BASE, f"dist.world_size={world_size}", f"dist.procs={procs}", f"trainer.global_batch={global_batch}",
             f"trainer.max_steps={steps}", f"dist.fuse_workers={str(fused).lower()}"] + \
         ([f"trainer.threads={threads}"] if threads else [])
-
-
-def in_process(args: list[str], steps: int):
-    def run() -> float:
-        result = run_lbt(args)
-        if result["steps"] != steps:
-            raise RuntimeError(f"{args}: ran {result['steps']} steps, expected {steps}")
-        return float(result["samples_per_sec"])
-    return run
 
 
 def fresh_process(args: list[str]):
@@ -73,16 +65,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     B = args.global_batch
     repeats = args.repeats or (2 if args.quick else 9)
-    steps = args.steps or (3 if args.quick else 60000 // B)
+    steps = args.steps or (3 if args.quick else TRAIN_SAMPLES // B)
     print(describe_machine(), flush=True)
     watch = LoadWatch(own=args.threads)
 
-    contenders = {"W=1": in_process(overrides(1, B, steps, args.threads), steps)}
+    contenders = {"W=1": timed_run(overrides(1, B, steps, args.threads), steps)}
     for w in WORLD_SIZES:
-        contenders[f"W={w} fused"] = in_process(overrides(w, B, steps, args.threads), steps)
+        contenders[f"W={w} fused"] = timed_run(overrides(w, B, steps, args.threads), steps)
     if not args.no_sequential:
         for w in WORLD_SIZES:
-            contenders[f"W={w} sequential"] = in_process(overrides(w, B, steps, args.threads, fused=False), steps)
+            contenders[f"W={w} sequential"] = timed_run(overrides(w, B, steps, args.threads, fused=False), steps)
     print("warm-up: one unmeasured step per configuration ...", flush=True)
     for w in [1, *WORLD_SIZES]:
         run_lbt(overrides(w, B, 1, args.threads))
