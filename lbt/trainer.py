@@ -434,7 +434,9 @@ class Trainer:
         workers = plan.workers_per_proc
         self.optimizer.zero_grad(set_to_none=True)
         if workers > 1 and any(t.wants_worker_gradient(self.state.step) for t in self.techniques):
+            self.timer.phase("measure")  # its own phase: what a measurement costs shows in step_seconds
             self.measure_first_worker(inputs[:plan.per_worker_batch], labels[:plan.per_worker_batch], workers)
+            self.timer.phase("compute")
         if workers > 1 and (not self.fuses(plan) or self.simulated_comm):
             passes = [(x, y, 1) for x, y in zip(inputs.chunk(workers), labels.chunk(workers))]
         else:

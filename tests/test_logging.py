@@ -109,3 +109,11 @@ def test_step_time_split_for_real_processes(tmp_path, hooks):
     events.Reload()
     for tag in ("perf/data_s", "perf/compute_s", "perf/comm_s", "perf/optimizer_s") + ("gns/b_simple",) * bool(hooks):
         assert tag in events.Tags()["scalars"]
+
+
+def test_the_noise_scale_pass_is_timed_as_its_own_phase(tmp_path):
+    """Simulated workers: the measurement's extra pass shows as measure_s (its cost), not inside compute_s."""
+    result = train(tmp_path, ["model=mlp", "trainer.epochs=1", "dist.world_size=4", "measure=[gns]",
+                              "technique.gns.every=2"])
+    assert set(result["step_seconds"]) == {"data_s", "compute_s", "measure_s", "optimizer_s"}
+    assert 0 < result["step_seconds"]["measure_s"] < result["step_seconds"]["compute_s"]
