@@ -9,11 +9,11 @@ simulated on one process, through `lbt.train.run`:
 - fused (dist.fuse_workers=true): one forward/backward over the
   B samples, BatchNorm statistics per b-sample worker chunk;
 - sequential (dist.fuse_workers=false): W forward/backward passes of b samples;
-both relative to W=1 (one worker of batch B) in the same repeat; and the default,
-dist.fuse_workers=auto, which takes one of the two by lbt/fused.py's rule (the
-same code path: tests/test_equivalence.py pins it bitwise), so its ratio is
-that path's. Target: auto >= 0.95 of W=1 at every W, each median with a 90%
-bootstrap interval of the per-repeat ratios. Warm-up excluded (one short
+- auto (the default, dist.fuse_workers=auto): passes of about 256 samples, each
+  fusing that many workers (lbt/fused.py: workers_per_pass);
+all relative to W=1 (one worker of batch B) in the same repeat. Target: auto
+>= 0.95 of W=1 at every W, each median with a 90% bootstrap interval of the
+per-repeat ratios. Warm-up excluded (one short
 unmeasured run per configuration); configurations alternate order between repeats.
 
 Then real processes on this machine (each a fresh `python -m lbt train`, so
@@ -41,10 +41,11 @@ TRAIN_SAMPLES = 54_000  # MNIST-1D's 60,000 training samples less the 10% valida
 BASE = ["model=cnn1d", "data=mnist1d", "trainer.epochs=1"]
 
 
-def overrides(world_size: int, global_batch: int, steps: int, threads: int, fused: bool = True,
+def overrides(world_size: int, global_batch: int, steps: int, threads: int, fused: bool | str = True,
               procs: int = 1) -> list[str]:
+    fuse = fused if isinstance(fused, str) else str(fused).lower()
     return [*BASE, f"dist.world_size={world_size}", f"dist.procs={procs}", f"trainer.global_batch={global_batch}",
-            f"trainer.max_steps={steps}", f"dist.fuse_workers={str(fused).lower()}"] + \
+            f"trainer.max_steps={steps}", f"dist.fuse_workers={fuse}"] + \
         ([f"trainer.threads={threads}"] if threads else [])
 
 
@@ -69,7 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     print(describe_machine(), flush=True)
     watch = LoadWatch(own=args.threads)
 
+    from lbt.fused import workers_per_pass
+
     contenders = {"W=1": timed_run(overrides(1, B, steps, args.threads), steps)}
+    for w in WORLD_SIZES:  # the default: passes of workers_per_pass workers
+        group = workers_per_pass("auto", w, B // w, True, "cpu")
+        contenders[f"W={w} auto ({w // group} passes of {group})"] = \
+            timed_run(overrides(w, B, steps, args.threads, fused="auto"), steps)
     for w in WORLD_SIZES:
         contenders[f"W={w} fused"] = timed_run(overrides(w, B, steps, args.threads), steps)
     if not args.no_sequential:
@@ -78,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     print("warm-up: one unmeasured step per configuration ...", flush=True)
     for w in [1, *WORLD_SIZES]:
         run_lbt(overrides(w, B, 1, args.threads))
+        if w > 1:
+            run_lbt(overrides(w, B, 1, args.threads, fused="auto"))
         if w > 1 and not args.no_sequential:
             run_lbt(overrides(w, B, 1, args.threads, fused=False))
     print(f"simulated workers: global batch {B}, {steps} steps per run, {args.threads} thread(s), "
@@ -93,16 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         ratios[name] = median(per_pair)
         low, high = median_interval(per_pair)
         print(f"| {name} | {B // w} | {spread(vals)} | {ratios[name]:.3f} ({low:.3f}-{high:.3f}) |")
-    from lbt.fused import fuse_passes
-
-    auto = {}
-    for w in WORLD_SIZES:
-        path = "fused" if fuse_passes("auto", B // w, True, "cpu") else "sequential"
-        if f"W={w} {path}" in ratios:
-            auto[f"W={w} auto ({path})"] = ratios[f"W={w} {path}"]
-    print("\n| dist.fuse_workers=auto | / W=1 |\n| --- | --- |")
-    for name, ratio in auto.items():
-        print(f"| {name} | {ratio:.3f} |")
+    auto = {name: ratio for name, ratio in ratios.items() if "auto" in name}
     worst = min(auto, key=auto.get)
 
     if not args.no_procs:

@@ -1,4 +1,4 @@
-"""Fused simulation: a process's k virtual workers as ONE forward/backward.
+"""Fused simulation: a process's k virtual workers as one forward/backward, or a few.
 
 Running k forwards of b samples one after another costs more than one forward
 of k*b samples (small batches use the hardware badly). The only layers in
@@ -12,15 +12,19 @@ Rule: fusing assumes samples interact only through BatchNorm (true of lbt's
 models and torchvision's classifiers). Models with other cross-sample layers
 must run with dist.fuse_workers=false.
 
-dist.fuse_workers=auto (the default) fuses where it is the faster of the two:
-always for a model without BatchNorm (one pass and nothing to copy), and for a
-BatchNorm model while the per-worker batch is below SEQUENTIAL_FROM. The fused
-pass copies every BN activation twice (ghost_batch_norm's fold, and again in the
-backward); k passes pay a per-pass overhead instead, which big passes hide.
-On CPU (bench/simulation.py, cnn1d, global batch 4,096, 1 thread), fused / W=1
-was 0.90 at b=1,024 and 0.93 at b=256 against 1.03 and 1.02 sequential, and
-0.98 at b=64 against 0.64 sequential. On CUDA it always fuses: k small passes
-leave a GPU idle between kernels (not measured here: no GPU).
+dist.fuse_workers=true runs all k workers as one pass, false one pass per
+worker, and auto (the default) groups them into passes of about PASS_SAMPLES
+samples for a BatchNorm model on CPU (`workers_per_pass`). On 2 CPU cores a
+pass of a few hundred samples is the fastest: its activations stay in cache,
+while a pass of thousands does not and a pass of 32 pays Python's per-pass
+overhead; and a fused pass of a BatchNorm model copies every BN activation twice
+(ghost_batch_norm's fold, and again in the backward). bench/simulation.py, cnn1d,
+global batch 4,096, 1 thread, samples/s against W=1 (one pass of 4,096): one pass
+of W workers 0.92 (W=2), 0.88 (4), 0.89 (16), 0.98 (64), 0.91 (128); one pass per
+worker 1.22, 1.29, 1.31 (b=256), 1.08 (b=64), 0.88 (b=32). A model without
+BatchNorm runs as one pass (nothing to copy; transformer1d at W=16 was 1.6x faster
+fused than one pass per worker), and so does every model on CUDA, where small
+passes leave the GPU idle between kernels (not measured here: no GPU).
 """
 
 from __future__ import annotations
@@ -30,14 +34,20 @@ from torch import nn
 from lbt.nn import GhostBatchNorm, replace_batchnorms
 
 
-SEQUENTIAL_FROM = 256  # per-worker batch from which auto runs a BatchNorm model's workers one by one (CPU)
+PASS_SAMPLES = 256  # auto's pass size for a BatchNorm model on CPU (bench/simulation.py)
 
 
-def fuse_passes(setting: bool | str, per_worker_batch: int, has_batchnorm: bool, device_type: str) -> bool:
-    """Whether a process runs its simulated workers as one pass, for dist.fuse_workers=setting (pure)."""
-    if setting != "auto":
-        return setting
-    return not has_batchnorm or device_type == "cuda" or per_worker_batch < SEQUENTIAL_FROM
+def workers_per_pass(setting: bool | str, workers: int, per_worker_batch: int, has_batchnorm: bool,
+                     device_type: str) -> int:
+    """How many of a process's k simulated workers share one forward/backward, for dist.fuse_workers=setting
+    (pure): k (one fused pass), 1 (one pass per worker), or for auto the most workers whose samples stay
+    within PASS_SAMPLES, among the divisors of k."""
+    if setting is True or (setting == "auto" and (not has_batchnorm or device_type == "cuda")):
+        return workers
+    if setting is False:
+        return 1
+    fit = max(1, PASS_SAMPLES // per_worker_batch)
+    return max(g for g in range(1, min(fit, workers) + 1) if workers % g == 0)
 
 
 def per_worker_batchnorm(model: nn.Module, per_worker_batch: int) -> list[GhostBatchNorm]:

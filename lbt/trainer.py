@@ -48,7 +48,7 @@ from lbt.config import BatchPlan, Budget
 from lbt.data import DataSplits
 from lbt.data.batches import StepBatches, eval_batches
 from lbt.dist import BufferMean, DistContext, all_reduce_sum, average_buffers
-from lbt.fused import fuse_passes, per_worker_batchnorm, set_per_worker_batch
+from lbt.fused import per_worker_batchnorm, set_per_worker_batch, workers_per_pass
 from lbt.lr import Schedule, optimizer_settings, peak
 from lbt.metrics.tensorboard import RunLogger
 from lbt.metrics.text_log import say
@@ -140,7 +140,7 @@ class LoopSettings:
     progress: bool = True
     eval_batch: int = 1024
     evals: int = 20  # evaluations spaced log-uniformly in samples seen, besides those at epoch ends
-    fuse_workers: bool | str = "auto"  # see lbt/fused.py: fuse_passes
+    fuse_workers: bool | str = "auto"  # see lbt/fused.py: workers_per_pass
     checkpoint_every: int = 0  # epochs; 0 = only when stopped by a signal
     compile: bool = False  # torch.compile the training forward
     channels_last: bool = False  # inputs (and the model, lbt/train.py) in channels_last layout
@@ -201,8 +201,11 @@ class Trainer:
         self.log = logger or RunLogger(None)
         self.checkpointer = checkpointer
         self.worker_norms = []
-        # Fused: one pass over the process's workers (lbt/fused.py), or one per worker (fuse_passes).
+        # Fused: one pass over the process's workers (lbt/fused.py), a few, or one per worker (workers_per_pass).
         self.has_batchnorm = any(isinstance(m, _BatchNorm) for m in model.modules())
+        # A technique that stands in for the allreduce between simulated workers (gradient compression).
+        self.simulated_comm = next((t.simulated_comm for t in techniques if t.simulated_comm is not None), None) \
+            if any(p.workers_per_proc > 1 for p in budget.plans) else None
         self.fuse_simulated_workers(budget)
         self.ddp, self.timer = model, StepTimer(ctx.device)
         # Tensor parallelism (lbt/tensor_parallel.py): gradients averaged over the data-parallel ranks
@@ -218,9 +221,6 @@ class Trainer:
         self.step_batches: dict[BatchPlan, StepBatches] = {}  # one per batch layout: its DataLoader lives on
         self.buffer_mean = BufferMean(model)
         self.lr_follows_batch = any(t.lr_follows_batch for t in techniques)
-        # A technique that stands in for the allreduce between simulated workers (gradient compression).
-        self.simulated_comm = next((t.simulated_comm for t in techniques if t.simulated_comm is not None), None) \
-            if any(p.workers_per_proc > 1 for p in budget.plans) else None
         # Log every log_every steps, at each epoch's end, and at the step that takes the peak LR.
         peak_step = budget.step_boundary(peak(schedule, budget)[1])[0]
         self.window = TrainWindow(settings.log_every, peak_step)
@@ -231,14 +231,17 @@ class Trainer:
         self.state, self.result, self.stop_requested = LoopState(), Result(self.eval_split), False
         self.on_step = None
 
-    def fuses(self, plan: BatchPlan) -> bool:
-        """One pass over this layout's workers of a process, or one pass per worker."""
-        return fuse_passes(self.settings.fuse_workers, plan.per_worker_batch, self.has_batchnorm, self.ctx.device.type)
+    def workers_per_pass(self, plan: BatchPlan) -> int:
+        """How many of this layout's simulated workers of a process share a forward/backward pass."""
+        if self.simulated_comm:  # each worker's gradient goes through what its GPU would send
+            return 1
+        return workers_per_pass(self.settings.fuse_workers, plan.workers_per_proc, plan.per_worker_batch,
+                                self.has_batchnorm, self.ctx.device.type)
 
     def fuse_simulated_workers(self, budget: Budget) -> None:
         """Per-worker BatchNorm statistics, once some epoch runs several workers per process in one pass
         (a pass of one worker through them is plain BatchNorm)."""
-        if not self.worker_norms and any(p.workers_per_proc > 1 and self.fuses(p) for p in budget.plans):
+        if not self.worker_norms and any(self.workers_per_pass(p) > 1 for p in budget.plans):
             self.worker_norms = per_worker_batchnorm(self.model, budget.plans[0].per_worker_batch)
 
     def set_budget(self, budget: Budget) -> None:
@@ -437,10 +440,11 @@ class Trainer:
             self.timer.phase("measure")  # its own phase: what a measurement costs shows in step_seconds
             self.measure_first_worker(inputs[:plan.per_worker_batch], labels[:plan.per_worker_batch], workers)
             self.timer.phase("compute")
-        if workers > 1 and (not self.fuses(plan) or self.simulated_comm):
-            passes = [(x, y, 1) for x, y in zip(inputs.chunk(workers), labels.chunk(workers))]
+        group = self.workers_per_pass(plan)
+        if group < workers:  # passes of `group` workers each (one worker per pass: the sequential path)
+            passes = [(x, y, group) for x, y in zip(inputs.chunk(workers // group), labels.chunk(workers // group))]
         else:
-            passes = [(inputs, labels, workers)]  # one worker, or fused workers
+            passes = [(inputs, labels, workers)]  # one worker, or all workers fused
         split_buffers = len(passes) > 1 and self.buffer_mean.active
         if split_buffers:
             self.buffer_mean.begin_step()

@@ -74,14 +74,17 @@ def test_bn_epoch_average_is_the_same_fused_and_sequential(tmp_path):
     assert fused["final_test_acc"] == pytest.approx(sequential["final_test_acc"], abs=1e-9)
 
 
-def test_auto_fuses_unless_batchnorm_passes_are_big_on_cpu():
-    from lbt.fused import SEQUENTIAL_FROM, fuse_passes
+def test_auto_passes_hold_about_256_samples_of_a_batchnorm_model_on_cpu():
+    from lbt.fused import PASS_SAMPLES, workers_per_pass
 
-    assert fuse_passes("auto", SEQUENTIAL_FROM - 1, True, "cpu")
-    assert not fuse_passes("auto", SEQUENTIAL_FROM, True, "cpu")  # the fold's copies cost more than k passes
-    assert fuse_passes("auto", 4096, False, "cpu")  # no BatchNorm: nothing to copy, one pass wins
-    assert fuse_passes("auto", 4096, True, "cuda")
-    assert fuse_passes(True, 4096, True, "cpu") and not fuse_passes(False, 16, False, "cpu")
+    assert PASS_SAMPLES == 256
+    assert workers_per_pass("auto", 16, 256, True, "cpu") == 1  # big workers: one pass each
+    assert workers_per_pass("auto", 128, 32, True, "cpu") == 8  # 32-sample workers: 8 per pass of 256
+    assert workers_per_pass("auto", 6, 64, True, "cpu") == 3  # 4 would fit; 3 is the largest divisor of 6 that does
+    assert workers_per_pass("auto", 2, 16, True, "cpu") == 2  # all of them fit in one pass
+    assert workers_per_pass("auto", 16, 256, False, "cpu") == 16  # no BatchNorm: nothing to copy, one pass
+    assert workers_per_pass("auto", 16, 256, True, "cuda") == 16
+    assert workers_per_pass(True, 16, 256, True, "cpu") == 16 and workers_per_pass(False, 16, 8, False, "cpu") == 1
 
 
 @pytest.mark.parametrize("per_worker_batch, same_as", [(256, "false"), (16, "true")])
@@ -95,3 +98,16 @@ def test_auto_takes_the_path_its_rule_names(tmp_path, per_worker_batch, same_as)
     auto, chosen = final_params(tmp_path / "auto"), final_params(tmp_path / "chosen")
     assert auto.equal(chosen)
     assert not auto.equal(final_params(tmp_path / "other"))  # the two paths' float sums differ: the check can fail
+
+
+def test_passes_of_a_few_workers_are_exact_too(tmp_path):
+    """8 workers of b=64 under auto run as 2 passes of 4 (per-worker BN chunks in each): the same
+    parameters as one fused pass and as 8 passes, within float tolerance, and bitwise neither."""
+    common = ["model=cnn1d", "model.channels=8", "data.num_train=2048", "trainer.epochs=1", "dist.world_size=8",
+              "trainer.per_worker_batch=64", "trainer.evals=0"]
+    paths = {}
+    for fuse in ("auto", "true", "false"):
+        train(tmp_path / fuse, common + [f"dist.fuse_workers={fuse}"])
+        paths[fuse] = final_params(tmp_path / fuse)
+    assert relative_diff(paths["auto"], paths["true"]) < 1e-5 and relative_diff(paths["auto"], paths["false"]) < 1e-5
+    assert not paths["auto"].equal(paths["true"]) and not paths["auto"].equal(paths["false"])
