@@ -2,13 +2,13 @@
 
 One optimizer step of synchronous data-parallel SGD over `world_size` W
 workers, run by `procs` P processes that each simulate k = W/P workers.
-Fused (lbt/fused.py): one forward/backward over the k*b samples with BatchNorm
-statistics per worker chunk. Sequential (dist.fuse_workers=false, and auto's choice
-for per-worker batches >= 256 with BatchNorm on CPU):
+The k workers run in passes of g workers each (lbt/fused.py: workers_per_pass; g = k
+fuses them all, g = 1 is the sequential path of dist.fuse_workers=false), BatchNorm
+statistics per worker chunk of a pass:
 
-    for each local worker i (k of them, one after another):
-        loss_i = mean loss over its per_worker_batch samples  # BN sees b samples, as on a GPU
-        (loss_i / k).backward()    # under no_sync() except for the last worker
+    for each pass i (k/g of them, one after another):
+        loss_i = mean loss over its g x per_worker_batch samples  # BN sees b samples, as on a GPU
+        (loss_i x g/k).backward()    # under no_sync() except for the last pass
     DDP averages the summed gradients over the P processes
     -> gradient = mean over W workers = mean over the global batch
     techniques' after_backward (delay, clipping, measurements); optimizer.step()
