@@ -58,9 +58,11 @@ class PlainLoop:
         if self.profiler is not None:
             self.profiler.enable()
         start = time.perf_counter()
-        perm = torch.randperm(len(y_all), generator=torch.Generator().manual_seed(0))
+        generator, per_epoch = torch.Generator().manual_seed(0), len(y_all) // b
         for step in range(self.steps):
-            idx = perm[step * b:(step + 1) * b]
+            if step % per_epoch == 0:  # a new epoch: a new permutation, as lbt draws one
+                perm = torch.randperm(len(y_all), generator=generator)
+            idx = perm[step % per_epoch * b:(step % per_epoch + 1) * b]
             inputs, labels = x_all[idx], y_all[idx]
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(model(inputs), labels)
@@ -122,7 +124,7 @@ def account(case: Case, steps: int, threads: int, runs: int = 3) -> str:
     from lbt.trainer import Trainer
 
     spent: dict[str, float] = defaultdict(float)
-    targets = [(Trainer, "train_epoch"), (Trainer, "train_step"), (Trainer, "progress"), (Trainer, "set_lr"),
+    targets = [(Trainer, "train_epoch"), (Trainer, "train_step"), (Trainer, "set_lr"),
                (RunLogger, "scalars"), (torch.optim.SGD, "zero_grad"), (torch.optim.SGD, "step")]
     originals = {(owner, name): getattr(owner, name) for owner, name in targets}
 
@@ -147,7 +149,7 @@ def account(case: Case, steps: int, threads: int, runs: int = 3) -> str:
     total = steps * runs
     per_step = {k: v / total * 1e6 for k, v in spent.items()}
     loop_rest = per_step["Trainer.train_epoch"] - sum(
-        per_step[k] for k in ("Trainer.train_step", "Trainer.progress", "Trainer.set_lr", "RunLogger.scalars"))
+        per_step[k] for k in ("Trainer.train_step", "Trainer.set_lr", "RunLogger.scalars"))
     lines = [f"--- lbt's step, method by method ({case.name}, {steps} steps x {runs} runs, {threads} thread(s)) ---"]
     lines += [f"{k:24s} {v:9.1f} us per step" for k, v in sorted(per_step.items(), key=lambda kv: -kv[1])]
     lines.append(f"{'rest of the loop body':24s} {loop_rest:9.1f} us per step (batch gather, loss window, timers)")
