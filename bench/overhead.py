@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     CASES, LoadWatch, Case, build_data, build_model, compose, describe_machine, headline, interleaved, median,
-    pair_ratios, run_lbt, spread,
+    median_interval, pair_ratios, run_lbt, spread,
 )
 
 import torch  # noqa: E402
@@ -192,8 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, steps, values, per_pair in rows:
         data = "MNIST-1D" if name == "cnn1d" else "synthetic 3x32x32"
         print(f"| {name} | {data} | {CASES[name].batch} | {steps} | {args.threads} | {spread(values['plain'])} | "
-              f"{spread(values['lbt'])} | {median(per_pair):.3f} (min {min(per_pair):.3f}, max {max(per_pair):.3f}) |")
-    print("(samples/s: median (min-max, n); lbt / plain: median of the per-repeat ratios)")
+              f"{spread(values['lbt'])} | {median(per_pair):.3f} (90% interval {'-'.join(f'{v:.3f}' for v in median_interval(per_pair))}; "
+              f"min {min(per_pair):.3f}, max {max(per_pair):.3f}) |")
+    print("(samples/s: median (min-max, n); lbt / plain: median of the per-repeat ratios, its bootstrap interval)")
     print(watch.verdict())
     if args.profile:
         case = CASES["cnn1d"]
