@@ -19,9 +19,10 @@ pass of a few hundred samples is the fastest: its activations stay in cache,
 while a pass of thousands does not and a pass of 32 pays Python's per-pass
 overhead; and a fused pass of a BatchNorm model copies every BN activation twice
 (ghost_batch_norm's fold, and again in the backward). bench/simulation.py, cnn1d,
-global batch 4,096, 1 thread, samples/s against W=1 (one pass of 4,096): one pass
-of W workers 0.92 (W=2), 0.88 (4), 0.89 (16), 0.98 (64), 0.91 (128); one pass per
-worker 1.22, 1.29, 1.31 (b=256), 1.08 (b=64), 0.88 (b=32). A model without
+global batch 4,096, 1 thread, samples/s against W=1 (one pass of 4,096), W = 2, 4,
+16, 64, 128: one pass of all workers 0.85, 0.86, 0.88, 0.94, 0.96; one pass per
+worker 1.12, 1.21, 1.26, 0.95 (b=64), 0.80 (b=32); auto 1.12, 1.20, 1.25, 1.12
+(4 workers per pass), 1.10 (8 per pass). A model without
 BatchNorm runs as one pass (nothing to copy; transformer1d at W=16 was 1.6x faster
 fused than one pass per worker), and so does every model on CUDA, where small
 passes leave the GPU idle between kernels (not measured here: no GPU).
