@@ -110,8 +110,10 @@ def why_not(splits: list[Split], tensor_parallel: int) -> str | None:
                 "by heads, the MLP of an nn.TransformerEncoderLayer, or a model's only Linear)")
     for split in splits:
         if split.width % tensor_parallel:
-            size = f"width {split.width}" if split.unit == "features" else f"{split.width} {split.unit}"
-            return f"{size} of layer {split.name} ({split.style} split) is not divisible by {tensor_parallel}"
+            if split.unit == "features":
+                return f"width {split.width} of layer {split.name} ({split.style} split) is not divisible by {tensor_parallel}"
+            return (f"the {split.width} {split.unit} of layer {split.name} ({split.style} split) do not divide among "
+                    f"{tensor_parallel} ranks")
     return None
 
 

@@ -48,7 +48,7 @@ def test_transformer_blocks_split_attention_by_heads_and_their_mlp():
     # torch's own encoder layer: its MLP splits, its packed attention stays whole
     assert split_plan(nn.TransformerEncoderLayer(8, 2, 16)) == [Split("linear1", "colwise", 16),
                                                                  Split("linear2", "rowwise", 16)]
-    with pytest.raises(ConfigError, match="2 heads of layer blocks.0.attn.qkv .colwise split. is not divisible by 4"):
+    with pytest.raises(ConfigError, match="the 2 heads of layer blocks.0.attn.qkv .colwise split. do not divide among 4"):
         check_splittable(splits, 4, "Transformer1d")
 
 
