@@ -28,6 +28,9 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python bench/NAME.py` from a checkout
     sys.path.insert(0, str(REPO))
 
+# MNIST-1D's 60,000 training samples less the 10% validation split: one epoch of data=mnist1d.
+MNIST1D_TRAIN = 54_000
+
 # Quiet CPU runs; every bench override list starts with these.
 LBT_BASE = ["trainer.progress=false", "trainer.device=cpu"]
 

@@ -29,14 +29,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    LoadWatch, describe_machine, headline, interleaved, median, pair_ratios, run_lbt,
+    MNIST1D_TRAIN, LoadWatch, describe_machine, headline, interleaved, median, pair_ratios, run_lbt,
 )
 
 BASE = ["model=cnn1d", "data=mnist1d", "trainer.per_worker_batch=64", "trainer.threads=1"]
 WORLD_SIZES = [4, 16, 64, 128]
 ARMS = {"none": [], "every=1": ["measure=[gns]", "technique.gns.every=1"],
         "every=auto": ["measure=[gns]", "technique.gns.every=auto"]}
-TRAIN_SAMPLES = 54_000  # MNIST-1D's training split less validation
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for w in ([] if args.estimate_only else WORLD_SIZES):
         steps = max(4, samples // (64 * w))
-        epochs = -(-steps * 64 * w // TRAIN_SAMPLES)  # the same steps for every arm, over epochs if need be
+        epochs = -(-steps * 64 * w // MNIST1D_TRAIN)  # the same steps for every arm, over epochs if need be
         common = [*BASE, f"dist.world_size={w}", f"trainer.max_steps={steps}", f"trainer.epochs={epochs}",
                   "trainer.evals=0"]
         results: dict[str, list[dict]] = {arm: [] for arm in ARMS}

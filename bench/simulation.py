@@ -32,12 +32,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    LoadWatch, describe_machine, headline, interleaved, median, median_interval, pair_ratios, run_lbt,
+    MNIST1D_TRAIN, LoadWatch, describe_machine, headline, interleaved, median, median_interval, pair_ratios, run_lbt,
     run_lbt_subprocess, spread, timed_run,
 )
 
 WORLD_SIZES = [2, 4, 16, 64, 128]
-TRAIN_SAMPLES = 54_000  # MNIST-1D's 60,000 training samples less the 10% validation split: one epoch
 BASE = ["model=cnn1d", "data=mnist1d", "trainer.epochs=1"]
 
 
@@ -66,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     B = args.global_batch
     repeats = args.repeats or (2 if args.quick else 9)
-    steps = args.steps or (3 if args.quick else TRAIN_SAMPLES // B)
+    steps = args.steps or (3 if args.quick else MNIST1D_TRAIN // B)
     print(describe_machine(), flush=True)
     watch = LoadWatch(own=args.threads)
 

@@ -29,7 +29,7 @@ class DistConfig:
     procs: Optional[int] = None
     backend: str = "auto"
     timeout_s: int = 120
-    fuse_workers: Any = "auto"  # true, false or auto (lbt/fused.py: fuse_passes)
+    fuse_workers: Any = "auto"  # true, false or auto (lbt/fused.py: workers_per_pass)
     max_restarts: int = 0
     tensor_parallel: Any = 1  # an int, or "auto" (see `auto_tensor_parallel`)
     max_global_batch: Optional[int] = None
