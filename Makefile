@@ -1,4 +1,5 @@
-# Two commands on a fresh machine: `make run` (the main job) and `make test`.
+# Two commands on a fresh machine: `make run` (the main job) and `make test` (what CI runs: lint, types, every test).
+# `make test-fast` is the edit loop: lint and the tests that start no process and train only a few steps.
 # Each checkout has its own venv (.venv/, git-ignored), its dependencies reinstalled when
 # pyproject.toml changes: a venv shared between clones ran whichever clone last set it up.
 PYTHON ?= python3
@@ -6,7 +7,7 @@ VENV ?= $(CURDIR)/.venv
 BIN := $(VENV)/bin
 ARGS ?=
 
-.PHONY: setup run train test clean-venv
+.PHONY: setup run train lint test test-fast clean-venv
 
 setup: $(VENV)/.deps-installed
 	@# The checkout's lbt, editable (a moved checkout re-points it); cheap, so done every time.
@@ -17,6 +18,7 @@ $(VENV)/.deps-installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
 	$(BIN)/pip install -q '.[dev]'
 	$(BIN)/python -c "import torch, torchvision, hydra, mnist1d, tensorboard, pytest"
+	$(BIN)/ruff --version && $(BIN)/mypy --version
 	touch $@
 
 run: setup
@@ -25,8 +27,16 @@ run: setup
 train: setup
 	$(BIN)/lbt train $(ARGS)
 
-test: setup
+lint: setup
+	$(BIN)/ruff check lbt tests bench
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest -q $(ARGS)
+
+test-fast: setup
+	$(BIN)/ruff check lbt tests bench
+	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

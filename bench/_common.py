@@ -1,8 +1,8 @@
 """Helpers shared by the speed benchmarks (bench/overhead.py, peers.py, simulation.py, ...).
 
-lbt is always measured through its real code path: the config is composed by
-Hydra exactly as `lbt train OVERRIDES` composes it, and `lbt.train.run` trains
-(TensorBoard logging, LR schedule, run folder and all). Its `samples_per_sec`
+lbt is always measured through its real code path: the config is composed
+exactly as `lbt train OVERRIDES` composes it (`lbt.apps.compose.compose`), and
+`lbt.engine.run` trains (TensorBoard logging, LR schedule, run folder and all). Its `samples_per_sec`
 counts training steps only: evaluation and process start-up are excluded.
 
 Ratios are measured side by side: the contenders of a comparison run in turns
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import platform
 import statistics
@@ -24,9 +23,15 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
+from lbt.apps.compose import compose as compose_config
+from lbt.engine import build as engine
+from lbt.engine import make_spec, run
+from lbt.spec.result import RunResult, read_result
+from lbt.spec.targets import target_of
+
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # `python bench/NAME.py` from a checkout
-    sys.path.insert(0, str(REPO))
 
 # MNIST-1D's 60,000 training samples less the 10% validation split: one epoch of data=mnist1d.
 MNIST1D_TRAIN = 54_000
@@ -35,56 +40,41 @@ MNIST1D_TRAIN = 54_000
 LBT_BASE = ["trainer.progress=false", "trainer.device=cpu"]
 
 
-def compose(overrides: list[str]) -> tuple[dict, str | None]:
+def compose(overrides: list[str]) -> tuple[dict, str]:
     """The resolved config as a plain dict (as `lbt train OVERRIDES` composes it) and the recipe name."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from omegaconf import OmegaConf, open_dict
-
-    from lbt.compose import register_schemas
-    from lbt.paths import conf_dir
-
-    register_schemas()
-
-    with initialize_config_dir(str(conf_dir()), version_base="1.3", job_name="bench"):
-        cfg = hydra_compose("config", overrides=list(overrides), return_hydra_config=True)
-    recipe = cfg.hydra.runtime.choices.get("recipe")
-    with open_dict(cfg):
-        del cfg["hydra"]
-    return OmegaConf.to_container(cfg, resolve=True), recipe
+    composed = compose_config(overrides, job_name="bench")
+    return composed.config, composed.recipe
 
 
-def run_lbt(overrides: list[str], quiet: bool = True) -> dict:
-    """One `lbt.train.run` in this process (procs=1) or spawned workers (procs>1); returns result.json's dict."""
-    from lbt.train import run
-
+def run_lbt(overrides: list[str], quiet: bool = True) -> RunResult:
+    """One `lbt.engine.run` in this process (procs=1) or spawned workers (procs>1)."""
     config, recipe = compose(LBT_BASE + list(overrides))
+    spec = make_spec(config, recipe, list(overrides))
     with tempfile.TemporaryDirectory(prefix="lbt-bench-") as run_dir:
         sink = io.StringIO()
         with contextlib.redirect_stdout(sink) if quiet else contextlib.nullcontext():
-            result = run(config, run_dir, recipe=recipe, overrides=list(overrides))
-    return result
+            return run(spec, run_dir)
 
 
 def timed_run(overrides: list[str], steps: int):
     """A contender for `interleaved`: one in-process run of exactly `steps` steps, returning its samples/s."""
     def run() -> float:
         result = run_lbt(overrides)
-        if result["steps"] != steps:
-            raise RuntimeError(f"{overrides}: ran {result['steps']} steps, expected {steps}")
-        return float(result["samples_per_sec"])
+        if result.steps != steps:
+            raise RuntimeError(f"{overrides}: ran {result.steps} steps, expected {steps}")
+        return result.samples_per_sec
     return run
 
 
-def run_lbt_subprocess(overrides: list[str], timeout: float = 900) -> dict:
-    """One `python -m lbt train OVERRIDES` in a fresh process (as a user runs it); returns result.json."""
+def run_lbt_subprocess(overrides: list[str], timeout: float = 900) -> RunResult:
+    """One `python -m lbt train OVERRIDES` in a fresh process (as a user runs it); returns its result."""
     with tempfile.TemporaryDirectory(prefix="lbt-bench-") as run_dir:
         args = [sys.executable, "-m", "lbt", "train", *LBT_BASE, *overrides, f"hydra.run.dir={run_dir}"]
         done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=timeout)
         path = Path(run_dir) / "result.json"
         if done.returncode != 0 or not path.exists():
             raise RuntimeError(f"{' '.join(args)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-        return json.loads(path.read_text())
+        return read_result(path)
 
 
 def median(values: list[float]) -> float:
@@ -128,8 +118,6 @@ def cpu_model() -> str:
 
 
 def describe_machine() -> str:
-    import torch
-
     load = load_average()
     return (
         f"machine: {os.cpu_count()} cores ({cpu_model()}), torch {torch.__version__}, "
@@ -194,20 +182,14 @@ CASES = {
 
 def build_data(config: dict):
     """The data splits of a resolved lbt config (in memory for mnist1d and synthetic)."""
-    from hydra.utils import instantiate
-
-    return instantiate(config["data"])
+    return engine.build_data(target_of(config["data"], "data"))
 
 
 def build_model(config: dict, data):
-    """Model, optimizer and loss from a resolved lbt config, the way lbt/train.py builds them."""
-    import torch
-
-    from lbt.train import build
-
+    """Model, optimizer and loss from a resolved lbt config, the way lbt/engine/build.py builds them."""
     torch.manual_seed(config["trainer"]["seed"])
-    model = build(config["model"], "model", input_shape=tuple(data.input_shape), num_classes=data.num_classes)
-    optimizer = build(config["optim"], "optim")(model)
+    model = engine.build_model(target_of(config["model"], "model"), tuple(data.input_shape), data.num_classes)
+    optimizer = engine.instantiate(target_of(config["optim"], "optim"))(model)
     return model, optimizer, torch.nn.CrossEntropyLoss()
 
 

@@ -21,7 +21,6 @@ recipe's accuracy at the largest global batch minus the baseline's there.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -31,6 +30,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+from lbt.spec.result import RunResult, read_result
 
 BASELINE = "baseline"
 DEFAULT_RECIPES = [BASELINE, "goyal2017", "lars"]
@@ -115,11 +116,11 @@ def plan_jobs(args: argparse.Namespace) -> list[Job]:
     return jobs
 
 
-def run_job(job: Job) -> dict:
+def run_job(job: Job) -> RunResult:
     """One `lbt train` run in its own folder; its output goes to train.log there."""
     result_file = job.run_dir / "result.json"
     if result_file.exists():
-        return json.loads(result_file.read_text())
+        return read_result(result_file)
     job.run_dir.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "lbt", "train", *job.overrides, f"hydra.run.dir={job.run_dir}"]
     if (job.run_dir / "checkpoint").is_dir():  # an interrupted job continues (a fresh start there is refused)
@@ -129,15 +130,13 @@ def run_job(job: Job) -> dict:
         code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT,
                               env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
     if code != 0 or not result_file.exists():
-        return {"error": f"exit code {code}, see {job.run_dir / 'train.log'}"}
-    return json.loads(result_file.read_text())
+        return RunResult(error=f"exit code {code}, see {job.run_dir / 'train.log'}")
+    return read_result(result_file)
 
 
-def accuracy(result: dict) -> float:
+def accuracy(result: RunResult) -> float:
     """Final accuracy of the split the run evaluated (named test when val_fraction is 0)."""
-    if "error" in result or result.get("diverged"):
-        return float("nan")
-    return result[f"final_{result['eval_split']}_acc"]
+    return result.final_acc if result.trained else float("nan")
 
 
 def mean(values: list[float]) -> float:
@@ -145,9 +144,9 @@ def mean(values: list[float]) -> float:
     return statistics.fmean(finite) if len(finite) == len(values) and finite else float("nan")
 
 
-def table(jobs: list[Job], results: dict[Job, dict], split: str) -> tuple[str, float]:
+def table(jobs: list[Job], results: dict[Job, RunResult], split: str) -> tuple[str, float]:
     """The markdown table and accuracy_recovered (points) at the largest global batch."""
-    cells: dict[tuple[str, int], list[tuple[Job, dict]]] = {}
+    cells: dict[tuple[str, int], list[tuple[Job, RunResult]]] = {}
     for job in jobs:
         cells.setdefault((job.recipe, job.global_batch), []).append((job, results[job]))
     reference = mean([accuracy(r) for _, r in cells.get((BASELINE, PER_WORKER_BATCH), [])])
@@ -159,17 +158,17 @@ def table(jobs: list[Job], results: dict[Job, dict], split: str) -> tuple[str, f
     for (recipe, global_batch), runs in cells.items():
         accs = [accuracy(r) for _, r in runs]
         acc = mean(accs)
-        if any("error" in r for _, r in runs):
+        if any(r.failed for _, r in runs):
             shown = "error"
-        elif any(r.get("diverged") for _, r in runs):
+        elif any(r.diverged for _, r in runs):
             shown = "diverged"
         else:
             shown = f"{100 * acc:.2f}"
             if len(accs) > 1:
                 shown += f" ± {100 * statistics.stdev(accs):.2f}"
         gap = f"{100 * (acc - reference):+.2f}" if math.isfinite(acc) and math.isfinite(reference) else "n/a"
-        steps = runs[0][1].get("steps", "n/a")
-        wall = mean([r.get("wall_seconds", float("nan")) for _, r in runs])
+        steps = runs[0][1].steps if not runs[0][1].failed else "n/a"
+        wall = mean([float("nan") if r.failed else r.wall_seconds for _, r in runs])
         wall_shown = f"{wall:.0f}" if math.isfinite(wall) else "n/a"
         lines.append(f"| {recipe} | {global_batch} | {shown} | {gap} | {steps} | {wall_shown} |")
     largest = max(global_batch for _, global_batch in cells)
@@ -187,12 +186,12 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"{len(jobs)} runs -> {args.out} (split={args.split}{', quick' if args.quick else ''})", flush=True)
 
-    def one(job: Job) -> dict:
+    def one(job: Job) -> RunResult:
         result = run_job(job)
         acc = accuracy(result)
-        state = result.get("error") or ("diverged" if result.get("diverged") else f"{args.split}_acc={100 * acc:.2f}")
-        print(f"  {job.recipe} global_batch={job.global_batch} seed={job.seed}: {state} "
-              f"({result.get('wall_seconds', float('nan')):.0f}s)", flush=True)
+        state = result.error or ("diverged" if result.diverged else f"{args.split}_acc={100 * acc:.2f}")
+        wall = "" if result.failed else f" ({result.wall_seconds:.0f}s)"
+        print(f"  {job.recipe} global_batch={job.global_batch} seed={job.seed}: {state}{wall}", flush=True)
         return result
 
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:

@@ -26,6 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lbt.spec.result import RunResult, read_result
+
 TRANSFORMER = ["model=transformer1d"]
 SEEDS = (1, 2, 3)
 KAPPAS = (16, 64)
@@ -64,8 +66,8 @@ def train(run_dir: Path, overrides: list[str]) -> list[str]:
     return ["train", *overrides, "trainer.threads=1", "trainer.progress=false", f"hydra.run.dir={run_dir}"]
 
 
-def results(folders: list[str | Path]) -> list[dict]:
-    return [json.loads((Path(f) / "result.json").read_text()) for f in folders]
+def results(folders: list[str | Path]) -> list[RunResult]:
+    return [read_result(f) for f in folders]
 
 
 def mean_std(values: list[float]) -> str:
@@ -75,18 +77,18 @@ def mean_std(values: list[float]) -> str:
     return f"{100 * statistics.mean(values):.2f} ± {100 * spread:.2f}"
 
 
-def steps_to(result: dict, target: float) -> int | None:
+def steps_to(result: RunResult, target: float) -> int | None:
     """The first evaluation step whose val accuracy reaches `target` (None: never in the run)."""
-    return next((p["step"] for p in result["val_history"] if p["acc"] >= target), None)
+    return next((p.step for p in result.history if p.acc >= target), None)
 
 
-def steps_row(name: str, runs: list[dict], target: float) -> tuple[str, float | None, list[dict]]:
+def steps_row(name: str, runs: list[RunResult], target: float) -> tuple[str, float | None, list[RunResult]]:
     steps = [steps_to(r, target) for r in runs]
     reached = [s for s in steps if s is not None]
     median = statistics.median(reached) if len(reached) == len(runs) else None
     shown = ", ".join("-" if s is None else str(s) for s in steps)
-    line = (f"| {name} | {shown} | {'-' if median is None else int(median)} | {runs[0]['steps']} | "
-            f"{mean_std([r['final_val_acc'] for r in runs])} | {mean_std([r['test/acc'] for r in runs])} |")
+    line = (f"| {name} | {shown} | {'-' if median is None else int(median)} | {runs[0].steps} | "
+            f"{mean_std([r.final_acc for r in runs])} | {mean_std([r.test_acc for r in runs])} |")
     return line, median, runs
 
 
@@ -106,8 +108,9 @@ def main(argv: list[str] | None = None) -> None:
 
     # The per-batch tunes at 16x and 64x in the background; the base batch's tune here, then its best
     # values zero-shot at 16x and 64x under each rule, 3 seeds, in two processes.
-    scaled = subprocess.Popen(["bash", "-c", lbt_script([tune(scaled_dir, "adamw_sqrt", "16,64", args.trials, TRANSFORMER)])],
-                              stdout=open(root / "scaled.log", "a"), stderr=subprocess.STDOUT)
+    scaled_tune = lbt_script([tune(scaled_dir, "adamw_sqrt", "16,64", args.trials, TRANSFORMER)])
+    scaled = subprocess.Popen(["bash", "-c", scaled_tune], stdout=open(root / "scaled.log", "a"),
+                              stderr=subprocess.STDOUT)
     run_parallel([lbt_script([tune(base_dir, "adamw_sqrt", "1", args.trials, TRANSFORMER)])], root, "base")
     best = cell(base_dir, "recipe=adamw_sqrt,dist.world_size=1")["best"]["params"]
     values = [f"{k}={v}" for k, v in best.items()]
@@ -140,7 +143,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def report_rule(base_dir: Path, scaled_dir: Path, zero_shot: dict, best: dict) -> list[str]:
     base = cell(base_dir, "recipe=adamw_sqrt,dist.world_size=1")
-    lines = ["## How good is the square-root rule? (transformer1d, MNIST-1D, 10 epochs, test accuracy %, 3 seeds)", "",
+    lines = ["## How good is the square-root rule? (transformer1d, MNIST-1D, 10 epochs, test accuracy %, 3 seeds)",
+             "",
              f"Tuned at batch 64 only: {', '.join(f'{k}={v:.4g}' for k, v in best.items())}; "
              f"test {mean_std(base['tuned']['test_acc'])}, val {mean_std(base['tuned']['val_acc'])}.", "",
              "| batch | sqrt rule (zero-shot) | linear rule (zero-shot) | no rule (zero-shot) | tuned at this batch | "
@@ -149,7 +153,8 @@ def report_rule(base_dir: Path, scaled_dir: Path, zero_shot: dict, best: dict) -
     for kappa in KAPPAS:
         tuned = cell(scaled_dir, f"recipe=adamw_sqrt,dist.world_size={kappa}")
         tuned_lrs[kappa] = tuned["best"]["params"]["optim.lr"] * kappa ** 0.5  # the peak the tuned run took
-        arms = {rule: [r["test/acc"] for r in results(zero_shot[(rule, kappa)])] for rule in ("adam_sqrt", "linear", "none")}
+        arms = {rule: [r.test_acc for r in results(zero_shot[(rule, kappa)])]
+                for rule in ("adam_sqrt", "linear", "none")}
         gaps[kappa] = 100 * (statistics.mean(tuned["tuned"]["test_acc"]) - statistics.mean(arms["adam_sqrt"]))
         lines.append(f"| {64 * kappa:,} ({kappa}x) | {mean_std(arms['adam_sqrt'])} | {mean_std(arms['linear'])} | "
                      f"{mean_std(arms['none'])} | {mean_std(tuned['tuned']['test_acc'])} | {gaps[kappa]:+.2f} |")
@@ -160,12 +165,14 @@ def report_rule(base_dir: Path, scaled_dir: Path, zero_shot: dict, best: dict) -
               ", ".join(f"{64 * k:,}: {tuned_lrs[k]:.3g}" for k in batches) +
               f"; fitted exponent of LR ~ batch^a over 64..{64 * batches[-1]:,}: a = {slope:.2f} "
               "(sqrt rule: 0.5, linear: 1).", ""]
-    lines.append(f"headline: sqrt_rule_gap_16x={gaps[16]:+.2f} sqrt_rule_gap_64x={gaps[64]:+.2f} (target <= 1.0 at 64x)")
+    lines.append(f"headline: sqrt_rule_gap_16x={gaps[16]:+.2f} sqrt_rule_gap_64x={gaps[64]:+.2f} "
+                 "(target <= 1.0 at 64x)")
     return lines
 
 
 def report_warmup(fair: Path, base_dir: Path, scaled_dir: Path, ramp_dir: Path) -> list[str]:
-    lines = ["", "## Does batch warmup save steps? (steps to the tuned base batch's final val accuracy - 0.2 points)", ""]
+    lines = ["", "## Does batch warmup save steps? (steps to the tuned base batch's final val accuracy - 0.2 points)",
+             ""]
     cases = {
         "cnn1d": ([(w, fair / "cells" / f"recipe=baseline,dist.world_size={w}.json") for w in (1, 4, 16, 32, 64, 128)],
                   ramp_dir / "cnn1d" / "cells" / "recipe=batch_warmup,dist.world_size=8.json"),
@@ -180,7 +187,7 @@ def report_warmup(fair: Path, base_dir: Path, scaled_dir: Path, ramp_dir: Path) 
             headline.append(f"{model}_steps_saved=not run")
             continue
         fixed_runs = {w: results(json.loads(path.read_text())["tuned"]["folders"]) for w, path in fixed}
-        target = statistics.mean(r["final_val_acc"] for r in fixed_runs[1]) - TARGET_DROP
+        target = statistics.mean(r.final_acc for r in fixed_runs[1]) - TARGET_DROP
         lines += [f"### {model}: target val accuracy {100 * target:.2f}%", "",
                   "| run (tuned) | steps to target, per seed | median | steps in run | final val % | final test % |",
                   "| --- | --- | --- | --- | --- | --- |"]
@@ -194,14 +201,14 @@ def report_warmup(fair: Path, base_dir: Path, scaled_dir: Path, ramp_dir: Path) 
         ramp_runs = results(ramp["tuned"]["folders"])
         line, ramp_median, _ = steps_row("batch_ramp mode=auto from 512", ramp_runs, target)
         lines.append(line)
-        schedules = [[int(b) for _, b in r["technique_curves"].get("batch_ramp/global_batch", [])] for r in ramp_runs]
+        schedules = [[int(b) for _, b in r.technique_curves.get("batch_ramp/global_batch", [])] for r in ramp_runs]
         lines += ["", f"Ramp's tuned values: {ramp['best']['params']}; batches reached per seed: {schedules}.", ""]
         if best_fixed and ramp_median is not None:
             saved = 1 - ramp_median / best_fixed[1]
-            val_gap = 100 * (statistics.mean(r["final_val_acc"] for r in best_fixed[2])
-                             - statistics.mean(r["final_val_acc"] for r in ramp_runs))
-            test_gap = 100 * (statistics.mean(r["test/acc"] for r in best_fixed[2])
-                              - statistics.mean(r["test/acc"] for r in ramp_runs))
+            val_gap = 100 * (statistics.mean(r.final_acc for r in best_fixed[2])
+                             - statistics.mean(r.final_acc for r in ramp_runs))
+            test_gap = 100 * (statistics.mean(r.test_acc for r in best_fixed[2])
+                              - statistics.mean(r.test_acc for r in ramp_runs))
             headline.append(f"{model}_steps_saved={100 * saved:.0f}% (vs batch {64 * best_fixed[0]:,}; val "
                             f"{val_gap:+.2f} test {test_gap:+.2f} points behind)")
         else:

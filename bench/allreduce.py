@@ -14,7 +14,7 @@ Each round sweeps all sizes; figures are the median over rounds.
 
 Bandwidths are bytes / time (nccl-tests' algbw); for 2 workers the ring's bus
 bandwidth 2 (W-1)/W x bytes / time is the same number. A least-squares fit of
-t = bytes / bandwidth + 2 x latency (the ring model of lbt/plan.py at W=2)
+t = bytes / bandwidth + 2 x latency (the ring model of lbt/cost/data_parallel.py at W=2)
 gives the loopback network that bench/plan_check.py feeds to `lbt plan`.
 The last line is `allreduce_vs_memcpy=<allreduce / memcpy bandwidth at the largest size>`.
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -31,12 +32,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import LoadWatch, describe_machine, headline  # noqa: E402
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from _common import LoadWatch, describe_machine, headline
 
 HOST = "127.0.0.1"
 SIZES = [1024 * 4**k for k in range(10)]  # 1 KiB, 4 KiB, ..., 256 MiB
@@ -68,7 +67,7 @@ def _run_pair(worker, *args) -> dict:
     """Run worker(rank, store_port, *args, out_path) in 2 spawned processes; return what rank 0 wrote."""
     store = dist.TCPStore(HOST, 0, 3, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="lbt-allreduce-") as tmp:
-        out = os.path.join(tmp, "result.json")
+        out = os.path.join(tmp, "timings.json")
         mp.start_processes(worker, args=(store.port, *args, out), nprocs=2, join=True, start_method="spawn")
         return json.loads(Path(out).read_text())
 
@@ -85,7 +84,7 @@ def _worker(rank: int, port: int, sizes: list[int], rounds: int, quick: bool, me
                 for _warm in range(2):
                     dist.all_reduce(buffer)
                 dist.barrier()
-                seconds = _time_ops(lambda: dist.all_reduce(buffer), iterations(nbytes, quick))
+                seconds = _time_ops(functools.partial(dist.all_reduce, buffer), iterations(nbytes, quick))
                 results["allreduce"][nbytes].append(seconds)
                 buffer = None  # free it before the memcpy buffers
                 dist.barrier()
@@ -95,7 +94,7 @@ def _worker(rank: int, port: int, sizes: list[int], rounds: int, quick: bool, me
                         torch.set_num_threads(threads)
                         dst.copy_(src)
                         results["memcpy"][f"{threads}"][nbytes].append(
-                            _time_ops(lambda: dst.copy_(src), iterations(nbytes, quick)))
+                            _time_ops(functools.partial(dst.copy_, src), iterations(nbytes, quick)))
                     torch.set_num_threads(1)
                     del src, dst
                 dist.barrier()

@@ -22,7 +22,6 @@ allreduce; d=1: max(compute, allreduce)).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -30,9 +29,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from lbt.cost.data_parallel import overlapped_step_seconds
+from lbt.spec.result import RunResult, read_result
+
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 ACCURACY = ["data=mnist1d", "model=cnn1d", "recipe=goyal2017", "trainer.epochs=10", "trainer.per_worker_batch=64",
             "trainer.threads=1", "trainer.progress=false", "trainer.device=cpu", "trainer.evals=0",
@@ -63,11 +63,11 @@ def folder(arm: str) -> str:
     return arm.replace("=", "").replace(" ", "_")
 
 
-def lbt_train(overrides: list[str], run_dir: Path, timeout: float = 7200) -> dict:
+def lbt_train(overrides: list[str], run_dir: Path, timeout: float = 7200) -> RunResult:
     """`python -m lbt train OVERRIDES` into run_dir (kept: events, train.log, result.json); its result."""
     result = run_dir / "result.json"
     if result.exists():
-        return json.loads(result.read_text())
+        return read_result(result)
     run_dir.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "lbt", "train", *overrides, f"hydra.run.dir={run_dir}"]
     (run_dir / "command.txt").write_text(" ".join(command[2:]) + "\n")
@@ -75,7 +75,7 @@ def lbt_train(overrides: list[str], run_dir: Path, timeout: float = 7200) -> dic
     if done.returncode != 0 or not result.exists():
         (run_dir / "failed.txt").write_text(done.stderr[-5000:])
         raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}): {done.stderr[-500:]}")
-    return json.loads(result.read_text())
+    return read_result(result)
 
 
 def accuracy_jobs(out: Path) -> list[tuple[list[str], Path]]:
@@ -98,7 +98,7 @@ def accuracy(out: Path, jobs: int) -> None:
         overrides, run_dir = job
         try:
             result = lbt_train(overrides, run_dir)
-            print(f"{run_dir.relative_to(out)}: test_acc={result['test_acc']:.4f} allreduces={result['allreduces']} "
+            print(f"{run_dir.relative_to(out)}: test_acc={result.test_acc:.4f} allreduces={result.allreduces} "
                   f"({time.perf_counter() - started:.0f} s)", flush=True)
         except RuntimeError as error:
             print(f"{run_dir.relative_to(out)}: FAILED {error}", flush=True)
@@ -115,32 +115,30 @@ def table(out: Path) -> None:
         print("|---|---:|---:|---:|---:|---:|---:|")
         sync = None
         for arm in ARMS:
-            results = [json.loads(p.read_text()) for p in sorted((out / batch / folder(arm)).glob("seed*/result.json"))]
+            results = [read_result(p) for p in sorted((out / batch / folder(arm)).glob("seed*/result.json"))]
             if not results:
                 print(f"| {arm} | 0 | not run | | | | |")
                 continue
-            accs = [r["test_acc"] for r in results]
+            accs = [r.test_acc for r in results]
             mean = statistics.fmean(accs)
             std = statistics.stdev(accs) if len(accs) > 1 else 0.0
             if arm == "sync":
                 sync = mean
             gap = f"{100 * (mean - sync):+.2f}" if sync is not None else ""
-            val = statistics.fmean(r["final_val_acc"] for r in results)
+            val = statistics.fmean(r.final_acc for r in results)
             print(f"| {arm} | {len(results)} | {100 * mean:.2f} ± {100 * std:.2f} | {gap} | {100 * val:.2f} | "
-                  f"{results[0]['allreduces']:,} | {results[0]['bytes_sent'] / 1e9:.2f} |")
+                  f"{results[0].allreduces:,} | {results[0].bytes_sent / 1e9:.2f} |")
 
 
 def timing(repeats: int, steps: int, out: Path) -> None:
     """The synchronous arm and d=1 in turns on 2 real processes; medians, spread and lbt plan's prediction."""
-    from lbt.plan import overlapped_step_seconds
-
     per_step: dict[str, list[float]] = {arm: [] for arm in TIMING_ARMS}
     for repeat in range(repeats):
         for arm, overrides in TIMING_ARMS.items():
             run_dir = out / "timing" / f"{folder(arm)}-{repeat}"
             result = lbt_train(TIMING + [f"trainer.max_steps={steps}", *overrides], run_dir)
-            per_step[arm].append(result["train_seconds"] / result["steps"])
-            print(f"round {repeat} {arm}: {1e3 * per_step[arm][-1]:.1f} ms/step {result['step_seconds']}", flush=True)
+            per_step[arm].append(result.train_seconds / result.steps)
+            print(f"round {repeat} {arm}: {1e3 * per_step[arm][-1]:.1f} ms/step {result.step_seconds}", flush=True)
     sync, delayed, alone = (statistics.median(per_step[a]) for a in TIMING_ARMS)
     ratios = [a / b for a, b in zip(per_step["sync"], per_step["d=1"])]  # round by round: the same load on both
     print(f"\nmeasured (median of {repeats} rounds, min-max): sync {1e3 * sync:.1f} ms "
@@ -153,7 +151,8 @@ def timing(repeats: int, steps: int, out: Path) -> None:
     comm = max(sync - alone, 0.0)
     print(f"parts: compute {1e3 * alone:.1f} ms, allreduce exposed in a synchronous step {1e3 * comm:.1f} ms "
           f"= {comm / sync:.0%} of it")
-    print(f"lbt plan's model (lbt.plan.step_seconds / overlapped_step_seconds): sync {1e3 * (alone + comm):.1f} ms, "
+    print(f"lbt plan's model (lbt.cost.data_parallel.step_seconds / overlapped_step_seconds): "
+          f"sync {1e3 * (alone + comm):.1f} ms, "
           f"d=1 {1e3 * overlapped_step_seconds(alone, comm):.1f} ms, predicted speedup "
           f"{(alone + comm) / overlapped_step_seconds(alone, comm):.2f}x")
 

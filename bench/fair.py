@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> None:
             best = base[world_size]["best"]["params"]
             # As the tuned final run of seed 1 (one thread, as the tune ran it), plus the measurement.
             lbt("train", "recipe=baseline", f"dist.world_size={world_size}", "measure=[gns]", "trainer.seed=1",
-                "trainer.threads=1", "trainer.progress=false", *[f"{k}={v!r}" for k, v in best.items()], f"hydra.run.dir={run_dir}",
-                log=folder / "gns.log")
+                "trainer.threads=1", "trainer.progress=false", *[f"{k}={v!r}" for k, v in best.items()],
+                f"hydra.run.dir={run_dir}", log=folder / "gns.log")
     lbt("report", str(folder / "gns"))
     gns = json.loads((folder / "gns" / "summary.json").read_text())["critical_batch"]
 

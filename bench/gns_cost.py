@@ -4,7 +4,7 @@
     python bench/gns_cost.py --quick      # a smoke run: 1 repeat, few steps, no estimate table
 
 cnn1d on MNIST-1D (the default study's model and per-worker batch, b=64), all W workers simulated
-on one process and one thread (as the study runs them), through `lbt.train.run`. Per W, three
+on one process and one thread (as the study runs them), through `lbt.engine.run`. Per W, three
 contenders in turns (ABBA): no measurement, `measure=[gns] technique.gns.every=1` (the extra pass
 of one worker every step) and `every=auto` (the default).
 
@@ -24,13 +24,12 @@ The last line is `gns_cost=<worst W's in-run cost with every=auto>`.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    MNIST1D_TRAIN, LoadWatch, describe_machine, headline, interleaved, median, pair_ratios, run_lbt,
-)
+from _common import MNIST1D_TRAIN, LoadWatch, describe_machine, headline, interleaved, median, pair_ratios, run_lbt
+
+from lbt.metrics.critical import gns_summary
+from lbt.spec.result import RunResult
+from lbt.techniques.gns import measure_every
 
 BASE = ["model=cnn1d", "data=mnist1d", "trainer.per_worker_batch=64", "trainer.threads=1"]
 WORLD_SIZES = [4, 16, 64, 128]
@@ -55,13 +54,13 @@ def main(argv: list[str] | None = None) -> int:
         epochs = -(-steps * 64 * w // MNIST1D_TRAIN)  # the same steps for every arm, over epochs if need be
         common = [*BASE, f"dist.world_size={w}", f"trainer.max_steps={steps}", f"trainer.epochs={epochs}",
                   "trainer.evals=0"]
-        results: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+        results: dict[str, list[RunResult]] = {arm: [] for arm in ARMS}
 
-        def contender(arm: str):
+        def contender(arm: str, common: list[str] = common, results: dict = results):
             def run() -> float:
                 result = run_lbt(common + ARMS[arm])
                 results[arm].append(result)
-                return float(result["samples_per_sec"])
+                return result.samples_per_sec
             return run
 
         for extra in ARMS.values():  # warm-up, unmeasured
@@ -70,10 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((w, steps, values, results))
         print(f"W={w}: {steps} steps per run, done", flush=True)
 
-    from lbt.techniques.gns import measure_every
-
-    def in_run(result: dict) -> float:
-        seconds = result["step_seconds"]
+    def in_run(result: RunResult) -> float:
+        seconds = result.step_seconds
         return seconds.get("measure_s", 0.0) / sum(seconds.values())
 
     print()
@@ -94,21 +91,19 @@ def main(argv: list[str] | None = None) -> int:
               f"n={measure_every('auto', w)}, {cells[1]} |")
     print(watch.verdict())
     if not args.quick:
-        from lbt.critical import gns_summary
-
         print("\nthe estimate: W=16 (batch 1,024), 10 epochs, B_simple over the last 20% of training (median) ...")
         print("| every | seed | B_simple, last 20% | test acc |")
         print("| --- | --- | --- | --- |")
         for arm in ("every=1", "every=auto"):
             for seed in (0, 1, 2):
                 result = run_lbt([*BASE, "dist.world_size=16", f"trainer.seed={seed}", *ARMS[arm]])
-                late = gns_summary(result["technique_curves"]["gns/b_simple"])
+                late = gns_summary(result.technique_curves["gns/b_simple"])
                 shown = "none finite" if late is None else f"{late:,.0f}"
-                print(f"| {arm} | {seed} | {shown} | {100 * result['test_acc']:.2f} |", flush=True)
+                print(f"| {arm} | {seed} | {shown} | {100 * result.test_acc:.2f} |", flush=True)
     if not args.estimate_only:
         headline("gns_cost", worst)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -6,7 +6,7 @@
 
 Every run trains in bf16 autocast (`trainer.precision=bf16`) with channels_last inputs and model, on
 synthetic data held on the GPU, SGD with momentum, world_size 1 unless said:
-(a) lbt vs plain: `lbt.train.run` (its real path: LR per step, loss bookkeeping, TensorBoard, CUDA-event
+(a) lbt vs plain: `lbt.engine.run` (its real path: LR per step, loss bookkeeping, TensorBoard, CUDA-event
     step timer) against a hand-written loop on the same model, the same on-GPU data gathered by
     index_select, the same autocast and layout; samples/s of the training steps (the plain loop
     synchronises once at its end; lbt's figure excludes evaluation). Target: lbt / plain >= 0.97.
@@ -22,15 +22,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import build_data, build_model, compose, headline, interleaved, median, pair_ratios, spread  # noqa: E402
+import torch
+from _common import build_data, build_model, compose, headline, interleaved, median, pair_ratios, spread
 
-import torch  # noqa: E402
+from lbt.engine import make_spec, run
 
 NO_GPU = "bench/gpu.py: no CUDA GPU on this machine; nothing measured (it compares lbt with a plain loop on a GPU)"
 GPU_BASE = ["trainer.progress=false", "trainer.device=cuda", "trainer.precision=bf16", "trainer.channels_last=true",
@@ -55,16 +53,15 @@ class LbtRun:
         self.step_seconds: list[dict] = []
 
     def __call__(self) -> float:
-        from lbt.train import run
-
         config, recipe = compose(self.overrides)
+        spec = make_spec(config, recipe, self.overrides)
         with tempfile.TemporaryDirectory(prefix="lbt-gpu-bench-") as run_dir:
             with contextlib.redirect_stdout(io.StringIO()):
-                result = run(config, run_dir, recipe=recipe, overrides=self.overrides)
-        if result["steps"] != self.steps:
-            raise RuntimeError(f"lbt ran {result['steps']} steps, expected {self.steps}")
-        self.step_seconds.append(result["step_seconds"])
-        return float(result["samples_per_sec"])
+                result = run(spec, run_dir)
+        if result.steps != self.steps:
+            raise RuntimeError(f"lbt ran {result.steps} steps, expected {self.steps}")
+        self.step_seconds.append(result.step_seconds)
+        return result.samples_per_sec
 
 
 class PlainLoop:
@@ -148,4 +145,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -8,7 +8,7 @@
 Both sides train the same model (built from the same composed config), on the
 same in-memory data, batch 64, SGD (momentum 0.9, weight decay 5e-4), the
 same number of steps and the same torch.set_num_threads:
-- lbt: `lbt.train.run` with world_size=1, max_steps=S (its real path: LR
+- lbt: `lbt.engine.run` with world_size=1, max_steps=S (its real path: LR
   schedule per step, loss/accuracy bookkeeping, TensorBoard every 10 steps);
   its samples_per_sec covers the training steps only (no evaluation).
 - plain: for each step, index a batch from a random permutation, zero_grad,
@@ -25,17 +25,30 @@ import argparse
 import cProfile
 import io
 import pstats
-import sys
 import time
-from pathlib import Path
+from collections import defaultdict
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    CASES, LoadWatch, Case, build_data, build_model, compose, describe_machine, headline, interleaved, median,
-    median_interval, pair_ratios, run_lbt, spread,
+import torch
+from _common import (
+    CASES,
+    Case,
+    LoadWatch,
+    build_data,
+    build_model,
+    compose,
+    describe_machine,
+    headline,
+    interleaved,
+    median,
+    median_interval,
+    pair_ratios,
+    run_lbt,
+    spread,
 )
 
-import torch  # noqa: E402
+from lbt.engine.step import StepRunner
+from lbt.engine.trainer import Trainer
+from lbt.metrics.tensorboard import RunLogger
 
 
 class PlainLoop:
@@ -81,15 +94,13 @@ class LbtRun:
 
     def __call__(self) -> float:
         result = run_lbt(self.overrides)
-        if result["steps"] != self.steps:
-            raise RuntimeError(f"lbt ran {result['steps']} steps, expected {self.steps}")
-        return float(result["samples_per_sec"])
+        if result.steps != self.steps:
+            raise RuntimeError(f"lbt ran {result.steps} steps, expected {self.steps}")
+        return result.samples_per_sec
 
 
 def profile(fn, label: str, top: int = 25) -> str:
     """cProfile of the training loop alone: lbt's Trainer.train_epoch, or the plain loop's for-loop."""
-    from lbt.trainer import Trainer
-
     profiler = cProfile.Profile()
     if isinstance(fn, PlainLoop):
         fn.profiler = profiler
@@ -118,13 +129,8 @@ def profile(fn, label: str, top: int = 25) -> str:
 
 def account(case: Case, steps: int, threads: int, runs: int = 3) -> str:
     """Wall time per step of the Trainer's methods in real lbt runs (perf_counter wrappers, ~1 us each)."""
-    from collections import defaultdict
-
-    from lbt.metrics.tensorboard import RunLogger
-    from lbt.trainer import Trainer
-
     spent: dict[str, float] = defaultdict(float)
-    targets = [(Trainer, "train_epoch"), (Trainer, "train_step"), (Trainer, "set_lr"),
+    targets = [(Trainer, "train_epoch"), (StepRunner, "step"), (Trainer, "set_lr"),
                (RunLogger, "scalars"), (torch.optim.SGD, "zero_grad"), (torch.optim.SGD, "step")]
     originals = {(owner, name): getattr(owner, name) for owner, name in targets}
 
@@ -149,7 +155,7 @@ def account(case: Case, steps: int, threads: int, runs: int = 3) -> str:
     total = steps * runs
     per_step = {k: v / total * 1e6 for k, v in spent.items()}
     loop_rest = per_step["Trainer.train_epoch"] - sum(
-        per_step[k] for k in ("Trainer.train_step", "Trainer.set_lr", "RunLogger.scalars"))
+        per_step[k] for k in ("StepRunner.step", "Trainer.set_lr", "RunLogger.scalars"))
     lines = [f"--- lbt's step, method by method ({case.name}, {steps} steps x {runs} runs, {threads} thread(s)) ---"]
     lines += [f"{k:24s} {v:9.1f} us per step" for k, v in sorted(per_step.items(), key=lambda kv: -kv[1])]
     lines.append(f"{'rest of the loop body':24s} {loop_rest:9.1f} us per step (batch gather, loss window, timers)")
@@ -191,8 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, steps, values, per_pair in rows:
         data = "MNIST-1D" if name == "cnn1d" else "synthetic 3x32x32"
+        interval = "-".join(f"{v:.3f}" for v in median_interval(per_pair))
         print(f"| {name} | {data} | {CASES[name].batch} | {steps} | {args.threads} | {spread(values['plain'])} | "
-              f"{spread(values['lbt'])} | {median(per_pair):.3f} (90% interval {'-'.join(f'{v:.3f}' for v in median_interval(per_pair))}; "
+              f"{spread(values['lbt'])} | {median(per_pair):.3f} (90% interval {interval}; "
               f"min {min(per_pair):.3f}, max {max(per_pair):.3f}) |")
     print("(samples/s: median (min-max, n); lbt / plain: median of the per-repeat ratios, its bootstrap interval)")
     print(watch.verdict())
@@ -211,4 +218,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -8,7 +8,7 @@
 The same training on both sides: the model and SGD built from the same
 composed lbt config, batch 64, world_size 1, the same number of steps, the
 same torch.set_num_threads, data in memory.
-- lbt: `lbt.train.run` (samples_per_sec: training steps only).
+- lbt: `lbt.engine.run` (samples_per_sec: training steps only).
 - Lightning: `lightning.Trainer(accelerator="cpu", devices=1, max_steps=S)`
   fitting a LightningModule whose training_step returns the cross-entropy
   (automatic optimization), with logging, checkpointing, progress bar and
@@ -28,16 +28,23 @@ import logging
 import sys
 import time
 import warnings
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    CASES, Case, LoadWatch, build_data, build_model, compose, describe_machine, headline, interleaved, median,
-    pair_ratios, spread,
+import torch
+from _common import (
+    CASES,
+    Case,
+    LoadWatch,
+    build_data,
+    build_model,
+    compose,
+    describe_machine,
+    headline,
+    interleaved,
+    median,
+    pair_ratios,
+    spread,
 )
-from overhead import LbtRun  # noqa: E402
-
-import torch  # noqa: E402
+from overhead import LbtRun
 
 
 def import_lightning():

@@ -5,7 +5,8 @@
 
 cnn1d on MNIST-1D at a fixed per-worker batch b (default 64), one thread per
 process (lbt's default for P=2 on 2 cores: the cores are shared out):
-- predicted (lbt/plan.py): compute = `profile_compute(cnn1d, MNIST-1D's shape, b, threads=1)`
+- predicted (lbt/cost/data_parallel.py, lbt/apps/plan/compute.py):
+  compute = `profile_compute(cnn1d, MNIST-1D's shape, b, threads=1)`
   (forward + backward + SGD step on random data) run in P processes at once,
   as the P workers share this machine's cores and memory; the step waits for
   the slower worker, `expected_max(per-step times, P)`; network = the loopback
@@ -32,27 +33,27 @@ import tempfile
 from pathlib import Path
 
 import torch.multiprocessing as mp
+from _common import LoadWatch, describe_machine, headline, median, run_lbt_subprocess
+from allreduce import paced_network
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import LoadWatch, describe_machine, headline, median, run_lbt_subprocess  # noqa: E402
-from allreduce import paced_network  # noqa: E402
-
-from lbt.plan import (  # noqa: E402
-    config_node, data_shape, expected_max, gradient_bytes, profile_compute, ring_allreduce_seconds, step_seconds,
-)
+from lbt.apps.plan.compute import model_and_data, profile_compute
+from lbt.cost.data_parallel import expected_max, gradient_bytes, ring_allreduce_seconds, step_seconds
+from lbt.engine.build import data_shape
+from lbt.spec.targets import Target
 
 
-def _profile_worker(rank: int, b: int, repeats: int, out_dir: str, model: dict | None) -> None:
-    compute = profile_compute(model or config_node("model", "cnn1d"), data_shape(config_node("data", "mnist1d")), b,
-                              threads=1, repeats=repeats, name=(model or {}).get("_target_", "cnn1d"))
+def _profile_worker(rank: int, b: int, repeats: int, out_dir: str, model: Target | None) -> None:
+    cnn1d, mnist1d = model_and_data("cnn1d", "mnist1d")
+    compute = profile_compute(model or cnn1d, data_shape(mnist1d), b, threads=1, repeats=repeats,
+                              name=model.name if model else "cnn1d")
     Path(out_dir, f"{rank}.json").write_text(json.dumps({"samples": compute.step_samples,
                                                          "params": compute.num_params}))
 
 
-def concurrent_compute(procs: int, b: int, repeats: int, model: dict | None = None) -> tuple[list[float], int]:
+def concurrent_compute(procs: int, b: int, repeats: int, model: Target | None = None) -> tuple[list[float], int]:
     """Per-step compute times (s) of `procs` workers profiling at once in fresh processes, pooled; and the
     parameter count. lbt plan's step waits for the slowest worker: `expected_max(samples, W)`.
-    `model`: a model config (default cnn1d), on MNIST-1D's shape."""
+    `model`: a model (default cnn1d), on MNIST-1D's shape."""
     with tempfile.TemporaryDirectory(prefix="lbt-plan-check-") as out_dir:
         mp.start_processes(_profile_worker, args=(b, repeats, out_dir, model), nprocs=procs, join=True,
                            start_method="spawn")
@@ -119,7 +120,7 @@ def measured_step(procs: int, b: int, steps: int) -> tuple[float, dict]:
         "model=cnn1d", "data=mnist1d", f"dist.world_size={procs}", f"dist.procs={procs}",
         f"trainer.per_worker_batch={b}", "trainer.threads=1", "trainer.epochs=1", f"trainer.max_steps={steps}",
     ])
-    return result["global_batch"] / result["samples_per_sec"], result.get("step_seconds") or {}
+    return result.global_batch / result.samples_per_sec, result.step_seconds
 
 
 def main(argv: list[str] | None = None) -> int:

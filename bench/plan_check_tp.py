@@ -7,10 +7,10 @@
 mlp with model.hidden=1024 (default; 2 layers, 1.09M parameters: the split pair holds ~99% of
 the FLOPs) on MNIST-1D at a fixed per-worker batch b, one thread per process, for the splits
 DP x T = 1 x 1 (P=1, reference), 1 x 2 (P=2), 2 x 2 and 1 x 4 (P=4):
-- predicted: the rows `lbt plan --tensor-parallel` prints (`lbt.plan_tp.split_rows`), fed with
+- predicted: the rows `lbt plan --tensor-parallel` prints (`lbt.cost.tensor_parallel.split_rows`), fed with
   compute = `profile_compute(mlp, MNIST-1D's shape, b, threads=1)` run in P processes at once
   (the step waits for the slowest of P: `expected_max`), the split's FLOP share and collectives
-  (`lbt.plan_tp.model_split`), and the loopback gloo link as bench/allreduce.py fits it *paced*
+  (`lbt.apps.plan.compute.model_split`), and the loopback gloo link as bench/allreduce.py fits it *paced*
   (each allreduce after a step's worth of compute, as in training; measured between 2 processes);
 - measured: `python -m lbt train model=mlp model.hidden=H dist.procs=P dist.world_size=P
   dist.tensor_parallel=T trainer.per_worker_batch=b` (fresh processes),
@@ -23,23 +23,26 @@ machine hits prediction and measurement alike. The last line is
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import LoadWatch, describe_machine, headline, median, run_lbt_subprocess  # noqa: E402
-from allreduce import paced_network  # noqa: E402
-from plan_check import concurrent_compute  # noqa: E402
+from _common import LoadWatch, describe_machine, headline, median, run_lbt_subprocess
+from allreduce import paced_network
+from plan_check import concurrent_compute
 
-from lbt.plan import Compute, Network, config_node, data_shape  # noqa: E402
-from lbt.plan_tp import DenseSplit, SplitRow, model_split, split_rows  # noqa: E402
+from lbt.apps.plan.compute import model_and_data, model_split
+from lbt.cost.data_parallel import Compute, Network
+from lbt.cost.tensor_parallel import DenseSplit, SplitRow, split_rows
+from lbt.engine.build import data_shape
+from lbt.spec.targets import Target
 
 SPLITS = ((1, 1), (2, 2), (4, 2), (4, 4))  # (processes P = W, tensor-parallel T); DP = P / T
 
 
-def mlp_node(hidden: int) -> dict:
-    return {**config_node("model", "mlp"), "hidden": hidden}
+def mlp_model(hidden: int) -> Target:
+    mlp, _ = model_and_data("mlp", "mnist1d")
+    return dataclasses.replace(mlp, kwargs={**mlp.kwargs, "hidden": hidden})
 
 
 def predicted_row(samples: list[float], num_params: int, split: DenseSplit, procs: int, tensor_parallel: int,
@@ -66,9 +69,9 @@ def measured_step(hidden: int, procs: int, tensor_parallel: int, per_worker_batc
     """lbt's step time (s) of a DP x T split: its global batch over its samples/s."""
     result = run_lbt_subprocess(train_overrides(hidden, procs, tensor_parallel, per_worker_batch, steps))
     global_batch = per_worker_batch * procs // tensor_parallel
-    if result.get("global_batch", global_batch) != global_batch:
-        print(f"warning: result.json global_batch {result['global_batch']} != b x DP = {global_batch}")
-    return result.get("global_batch", global_batch) / result["samples_per_sec"]
+    if result.global_batch != global_batch:
+        print(f"warning: result.json global_batch {result.global_batch} != b x DP = {global_batch}")
+    return result.global_batch / result.samples_per_sec
 
 
 def error(predicted: float, measured: float) -> float:
@@ -105,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     profile_steps = 20 if args.quick else 60
     print(describe_machine(), flush=True)
     watch = LoadWatch(own=4)
-    shape = data_shape(config_node("data", "mnist1d"))
-    split = model_split(mlp_node(hidden), shape, f"mlp hidden={hidden}")
+    shape = data_shape(model_and_data("mlp", "mnist1d")[1])
+    split = model_split(mlp_model(hidden), shape, f"mlp hidden={hidden}")
     print(f"mlp hidden={hidden}: {split.sharded_params:,} of {split.sharded_params + split.replicated_params:,} "
           f"parameters split, {split.dense_share:.1%} of the FLOPs; per step among the T ranks: "
           + ", ".join(f"{c.op} {c.phase} of {b * c.bytes_per_sample / 1e3:.0f} kB" for c in split.collectives))
@@ -114,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(repeats):
         samples, params = {}, 0
         for procs in sorted({p for p, _ in SPLITS}):
-            samples[procs], params = concurrent_compute(procs, b, profile_steps, mlp_node(hidden))
+            samples[procs], params = concurrent_compute(procs, b, profile_steps, mlp_model(hidden))
         pace = statistics.mean(samples[2])
         bandwidth, latency = paced_network(pace, ops=50 if args.quick else 100)
         order = SPLITS if r % 2 == 0 else SPLITS[::-1]

@@ -66,7 +66,8 @@ def study(args: argparse.Namespace, part: str, world_sizes: list[int], seeds: in
     if (sweep_dir / "multirun.yaml").exists() and (sweep_dir / "report.md").exists():
         print(f"{sweep_dir}: done already, reused", flush=True)
         return
-    budget = ["data.num_samples=7000", "trainer.epochs=2"] if args.quick else ["data.num_samples=70000", "trainer.epochs=10"]
+    budget = ["data.num_samples=7000", "trainer.epochs=2"] if args.quick else \
+        ["data.num_samples=70000", "trainer.epochs=10"]
     command = [
         sys.executable, "-m", "lbt", "study", "study=default",
         f"recipe={','.join(args.recipes)}",
@@ -86,7 +87,8 @@ def study(args: argparse.Namespace, part: str, world_sizes: list[int], seeds: in
     sweep_dir.mkdir(parents=True, exist_ok=True)
     with open(sweep_dir / "study.log", "w") as log:
         code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
-    print(f"{part}: exit {code} after {time.perf_counter() - started:.0f} s (log: {sweep_dir / 'study.log'})", flush=True)
+    print(f"{part}: exit {code} after {time.perf_counter() - started:.0f} s (log: {sweep_dir / 'study.log'})",
+          flush=True)
 
 
 def accuracy(job: dict, split: str) -> float:
@@ -110,8 +112,8 @@ def table(summary: dict, split: str) -> tuple[str, dict[int, float]]:
         cells.setdefault((job["series"], int(job["world_size"])), []).append(job)
     base_world = min(w for _, w in cells)
     reference, _ = mean_std([accuracy(j, split) for j in cells.get((BASELINE, base_world), [])])
-    lines = [f"| recipe | world size | global batch | seeds | {split} acc (%) mean ± std | gap (points below baseline @ "
-             f"{PER_WORKER_BATCH * base_world}) | steps | diverged/errors |",
+    lines = [f"| recipe | world size | global batch | seeds | {split} acc (%) mean ± std | gap (points below "
+             f"baseline @ {PER_WORKER_BATCH * base_world}) | steps | diverged/errors |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     best_gap: dict[int, float] = {}
     for (series, world), jobs in sorted(cells.items(), key=lambda kv: (RECIPES.index(kv[0][0])
@@ -143,9 +145,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"bench/recipes.py: no report in {args.out}; see the study.log files there")
     summary = json.loads(summary_file.read_text())
     markdown, best_gap = table(summary, args.split)
-    b_crit = summary.get("critical_batch")
-    text = markdown + (f"\n\nGradient-noise-scale critical batch (B_simple, median of the baseline's jobs): "
-                       f"{b_crit:,.0f}\n" if b_crit else "\n")
+    crit = summary.get("critical_batch") or {}  # lbt report's estimates: the fit and the gradient noise scale
+    b_simple = crit.get("gns")
+    text = markdown + (f"\n\nGradient-noise-scale critical batch (B_simple, median of {crit.get('series')}'s "
+                       f"jobs): {b_simple:,.0f}\n" if b_simple else "\n")
     (args.out / "recipes_table.md").write_text(text)
     print(text)
     print(f"report: {args.out / 'report.md'}, curves: {args.out / 'accuracy_vs_batch.png'}")

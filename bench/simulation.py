@@ -5,12 +5,12 @@
     python bench/simulation.py --global-batch 8192 --threads 2
 
 cnn1d on MNIST-1D, global batch B fixed, per_worker_batch = B / W, all W
-simulated on one process, through `lbt.train.run`:
+simulated on one process, through `lbt.engine.run`:
 - fused (dist.fuse_workers=true): one forward/backward over the
   B samples, BatchNorm statistics per b-sample worker chunk;
 - sequential (dist.fuse_workers=false): W forward/backward passes of b samples;
 - auto (the default, dist.fuse_workers=auto): passes of about 256 samples, each
-  fusing that many workers (lbt/fused.py: workers_per_pass);
+  fusing that many workers (lbt/engine/passes.py: workers_per_pass);
 all relative to W=1 (one worker of batch B) in the same repeat. Target: auto
 >= 0.95 of W=1 at every W, each median with a 90% bootstrap interval of the
 per-repeat ratios. Warm-up excluded (one short
@@ -27,14 +27,23 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    MNIST1D_TRAIN, LoadWatch, describe_machine, headline, interleaved, median, median_interval, pair_ratios, run_lbt,
-    run_lbt_subprocess, spread, timed_run,
+from _common import (
+    MNIST1D_TRAIN,
+    LoadWatch,
+    describe_machine,
+    headline,
+    interleaved,
+    median,
+    median_interval,
+    pair_ratios,
+    run_lbt,
+    run_lbt_subprocess,
+    spread,
+    timed_run,
 )
+
+from lbt.engine.passes import workers_per_pass
 
 WORLD_SIZES = [2, 4, 16, 64, 128]
 BASE = ["model=cnn1d", "data=mnist1d", "trainer.epochs=1"]
@@ -49,7 +58,7 @@ def overrides(world_size: int, global_batch: int, steps: int, threads: int, fuse
 
 
 def fresh_process(args: list[str]):
-    return lambda: float(run_lbt_subprocess(args)["samples_per_sec"])
+    return lambda: run_lbt_subprocess(args).samples_per_sec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,8 +77,6 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or (3 if args.quick else MNIST1D_TRAIN // B)
     print(describe_machine(), flush=True)
     watch = LoadWatch(own=args.threads)
-
-    from lbt.fused import workers_per_pass
 
     contenders = {"W=1": timed_run(overrides(1, B, steps, args.threads), steps)}
     for w in WORLD_SIZES:  # the default: passes of workers_per_pass workers
@@ -130,4 +137,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

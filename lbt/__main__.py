@@ -1,5 +1,5 @@
 """`python -m lbt train ...` and `torchrun ... -m lbt train ...`: the same as the `lbt` command."""
 
-from lbt.cli import main
+from lbt.apps.cli import main
 
 main()

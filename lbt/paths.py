@@ -1,4 +1,4 @@
-"""Files and folders: where lbt's Hydra config tree lives, and writing a file atomically."""
+"""Writing a file atomically: results, checkpoints and data caches are published whole."""
 
 from __future__ import annotations
 
@@ -8,15 +8,7 @@ from pathlib import Path
 from typing import BinaryIO, Callable
 
 
-def conf_dir() -> Path:
-    package = Path(__file__).resolve().parent
-    source_checkout = package.parent / "conf"  # repo layout: conf/ beside lbt/
-    if (source_checkout / "config.yaml").is_file():
-        return source_checkout
-    return package / "conf"  # installed wheel: conf/ packaged as lbt/conf
-
-
-def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
+def atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
     """write(file) into a temporary file beside `path`, then rename it into place.
 
     A reader never sees a half-written file, and several processes writing the

@@ -1,4 +1,4 @@
-"""Shared helpers: compose lbt's config like the CLI does and run it in-process."""
+"""Shared helpers: compose lbt's config as the CLI does (lbt.apps.compose) and run it in-process."""
 
 from __future__ import annotations
 
@@ -10,15 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from hypothesis import settings
-from omegaconf import OmegaConf, open_dict
 
-from lbt.compose import register_schemas
-from lbt.paths import conf_dir
-from lbt.train import build, run
-
-register_schemas()  # as `lbt` does before composing a config
+from lbt.apps.compose import compose
+from lbt.engine import make_spec, run
+from lbt.engine.build import build_data, build_model
 
 # Generated tests draw the same examples on every run, so a red suite is red for the
 # code and can be rerun; `pytest --hypothesis-profile=explore` draws fresh ones.
@@ -30,20 +26,18 @@ settings.load_profile("repeatable")
 FAST = ["data=synthetic", "trainer.progress=false", "trainer.device=cpu"]
 
 
-def compose_config(overrides: list[str]):
-    """The composed config (without the hydra node) and the selected recipe's name."""
-    with initialize_config_dir(str(conf_dir()), version_base="1.3", job_name="test"):
-        cfg = compose("config", overrides=overrides, return_hydra_config=True)
-    recipe = cfg.hydra.runtime.choices.get("recipe")
-    with open_dict(cfg):
-        del cfg["hydra"]
-    return cfg, recipe
+def compose_config(overrides: list[str]) -> tuple[dict, str]:
+    """The composed config (a plain dict) and the selected recipe's name, as `lbt train OVERRIDES` composes them."""
+    composed = compose(overrides, job_name="test")
+    return composed.config, composed.recipe
 
 
 def train(run_dir: Path, overrides: list[str]) -> dict:
-    """One run through `lbt.train.run`, as `lbt train OVERRIDES` would do it."""
-    cfg, recipe = compose_config(FAST + overrides)
-    return run(cfg, run_dir, recipe=recipe)
+    """One run through `lbt.engine.run`, as `lbt train OVERRIDES` would do it; result.json's fields
+    (or {"stopped": True} for a run a signal stopped)."""
+    config, recipe = compose_config(FAST + overrides)
+    result = run(make_spec(config, recipe), run_dir)
+    return {"stopped": True} if result.stopped else result.to_json()
 
 
 def names_val(key: str) -> bool:
@@ -56,14 +50,14 @@ def final_params(run_dir: Path) -> torch.Tensor:
 
 
 def initial_params(overrides: list[str]) -> torch.Tensor:
-    """The parameters a run with these overrides starts from, built as lbt.train builds them
+    """The parameters a run with these overrides starts from, built as lbt.engine.build builds them
     (seed, then the model for the data's input shape and classes; no technique changes the model)."""
-    cfg, _ = compose_config(FAST + overrides)
-    config = OmegaConf.to_container(cfg, resolve=True)
-    data = build(config["data"], "data")
+    config, recipe = compose_config(FAST + overrides)
+    spec = make_spec(config, recipe)
+    data = build_data(spec.data)
     with torch.random.fork_rng():
-        torch.manual_seed(config["trainer"]["seed"])
-        model = build(config["model"], "model", input_shape=tuple(data.input_shape), num_classes=data.num_classes)
+        torch.manual_seed(spec.trainer.seed)
+        model = build_model(spec.model, data.input_shape, data.num_classes)
     return flat_params(model.state_dict())
 
 

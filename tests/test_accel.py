@@ -1,26 +1,25 @@
 """The GPU path on a CPU: mixed precision (bf16 end to end, fp16's loss scaler), torch.compile,
-channels_last, device-resident data and the stall-free step timer (lbt/accel.py, lbt/data/batches.py,
+channels_last, device-resident data and the stall-free step timer (lbt/engine/precision.py, lbt/data/batches.py,
 lbt/metrics/timing.py)."""
 
 import importlib
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import FAST, compose_config, final_params, relative_diff, train
 from torch import nn
 
-from conftest import FAST, compose_config, final_params, relative_diff, train
-from lbt.accel import Precision
-from lbt.config import BatchPlan, check_trainer
 from lbt.data.base import DataSplits, InMemoryDataset
 from lbt.data.batches import StepBatches, eval_batches
+from lbt.engine import make_spec, run
+from lbt.engine.precision import Precision
 from lbt.errors import ConfigError
 from lbt.metrics import timing
+from lbt.spec.batching import BatchLayout
 from lbt.techniques.base import Technique
-from lbt.train import run
 
 # 6 steps of global batch 64 per epoch on a small BatchNorm-free MLP.
 MLP = ["model=mlp", "model.hidden=32", "data.num_train=384", "data.num_test=64", "trainer.epochs=1",
@@ -60,8 +59,8 @@ def test_mixed_precision_resumes_exactly(precision, tmp_path):
     """Stopped mid-epoch by SIGTERM and resumed: bitwise the run trained straight (fp16: with its scaler)."""
     overrides = [*MLP, "trainer.epochs=2", "trainer.log_every=2", "dist.world_size=2", f"trainer.precision={precision}"]
     straight = train(tmp_path / "straight", overrides)
-    cfg, recipe = compose_config(FAST + overrides)
-    assert run(cfg, tmp_path / "resumed", recipe=recipe, techniques=[StopAt(7)])["stopped"]
+    config, recipe = compose_config(FAST + overrides)
+    assert run(make_spec(config, recipe), tmp_path / "resumed", techniques=[StopAt(7)]).stopped
     saved = torch.load(next((tmp_path / "resumed" / "checkpoint").glob("step_*/rank0.pt")), weights_only=True)
     if precision == "fp16":
         assert saved["precision"]["scaler"]["scale"] == 65536.0 and saved["precision"]["skipped_steps"] == 0
@@ -73,7 +72,7 @@ def test_mixed_precision_resumes_exactly(precision, tmp_path):
 
 # -- fp16's loss scaler ----------------------------------------------------------------------------------
 def fp16_step(precision: Precision, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """One step as Trainer.train_step takes it; returns the gradients techniques would see."""
+    """One step as lbt/engine/step.py takes it; returns the gradients techniques would see."""
     optimizer.zero_grad(set_to_none=True)
     inputs, labels = torch.randn(8, 6, generator=torch.Generator().manual_seed(1)), torch.arange(8) % 3
     with precision.autocast():
@@ -117,12 +116,11 @@ def test_fp16_overflow_skips_the_step_and_the_scaler_state_round_trips():
 
 
 def test_new_trainer_values_are_checked_in_one_line():
-    cfg, _ = compose_config(FAST)
-    trainer = dict(cfg.trainer)
+    config, _ = compose_config(FAST)
     for key, value, message in (("precision", "fp8", "trainer.precision must be one of fp32, bf16, fp16"),
                                 ("loader_workers", -1, "trainer.loader_workers must be an integer from 0")):
         with pytest.raises(ConfigError, match=message):
-            check_trainer({**trainer, key: value})
+            make_spec({**config, "trainer": {**config["trainer"], key: value}})
 
 
 # -- torch.compile and channels_last -------------------------------------------------------------------
@@ -164,7 +162,7 @@ def test_in_memory_data_is_gathered_on_its_device():
     splits = DataSplits(InMemoryDataset(x, y), None, InMemoryDataset(x[:10], y[:10]), 10, (3, 4, 4))
     on_meta = splits.to(torch.device("meta"))
     assert on_meta.train.x.is_meta and on_meta.test.y.is_meta and splits.train.x.device.type == "cpu"
-    plan = BatchPlan(world_size=2, procs=1, per_worker_batch=8, global_batch=16)
+    plan = BatchLayout(world_size=2, procs=1, per_worker_batch=8, global_batch=16)
     batches = StepBatches(on_meta.train, plan, 0, 0, torch.device("meta"), memory_format=torch.channels_last)
     steps = list(batches.epoch(0))
     assert len(steps) == 6 and all(x.is_meta and x.shape == (16, 3, 4, 4) for x, _ in steps)
@@ -174,7 +172,7 @@ def test_in_memory_data_is_gathered_on_its_device():
 
 def test_loader_workers_give_the_same_batches_and_persist_across_epochs():
     data = torch.utils.data.TensorDataset(torch.arange(64.0).unsqueeze(1), torch.arange(64))  # read sample by sample
-    plan = BatchPlan(world_size=2, procs=1, per_worker_batch=4, global_batch=8)
+    plan = BatchLayout(world_size=2, procs=1, per_worker_batch=4, global_batch=8)
     plain = StepBatches(data, plan, 0, 0, torch.device("cpu"))
     workers = StepBatches(data, plan, 0, 0, torch.device("cpu"), num_workers=1)
     for epoch in range(2):
@@ -218,6 +216,7 @@ class FakeCudaEvent:
         return (end.time - self.time) * 1000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_step_timer_splits_steps_and_reads_cuda_events_only_when_asked(device, monkeypatch):
     monkeypatch.setattr(timing, "time", FakeClock)

@@ -5,12 +5,18 @@ from __future__ import annotations
 import math
 
 import pytest
+from conftest import FAST, compose_config, final_params, relative_diff, train
 
-from conftest import final_params, relative_diff, train
-from lbt.config import BatchPlan, make_budget
+from lbt.engine import make_spec
 from lbt.errors import ConfigError
-from lbt.lr import (Schedule, adam_sqrt_moments, adam_sqrt_out_of_range, build_schedule, optimizer_settings,
-                    timescale_weight_decay)
+from lbt.spec.batching import BatchLayout
+from lbt.spec.lr import (
+    Schedule,
+    adam_sqrt_moments,
+    adam_sqrt_out_of_range,
+    optimizer_settings,
+    timescale_weight_decay,
+)
 from lbt.techniques.batch_ramp import AutoBatchRamp, auto_ramp_batch
 
 
@@ -58,11 +64,12 @@ def test_optimizer_settings_at_the_configured_and_at_another_batch():
 
 
 def test_adam_sqrt_needs_an_optimizer_with_betas():
-    budget = make_budget([BatchPlan(1, 1, 64, 64)] * 2, 640, None)
+    config, recipe = compose_config(FAST + ["schedule.scaling=adam_sqrt"])  # SGD: no betas
     with pytest.raises(ConfigError, match="schedule.scaling=adam_sqrt scales Adam's betas"):
-        build_schedule({"scaling": "adam_sqrt"}, 0.1, 64, budget)
+        make_spec(config, recipe)
+    config, recipe = compose_config(FAST + ["optim=adamw", "schedule.scaling=adam_sqrt", "optim.betas=[0.9,1.5]"])
     with pytest.raises(ConfigError, match="optim.betas must be"):
-        build_schedule({"scaling": "adam_sqrt"}, 0.1, 64, budget, betas=[0.9, 1.5], eps=1e-8)
+        make_spec(config, recipe)
 
 
 # --- batch-size warmup: the decision ------------------------------------------------------------
@@ -81,17 +88,18 @@ def test_auto_ramp_batch(batch, b_simple, threshold, cap, expected):
 def test_auto_ramp_replans_the_epochs_after_the_one_just_ended():
     ramp = AutoBatchRamp(factor=2, max_global_batch=512, grow="world_size")
     ramp.estimator.grad_sq, ramp.estimator.trace, ramp.estimator.weight = 1.0, 300.0, 1.0  # B_simple = 300
-    plans = [BatchPlan(2, 1, 32, 64)] * 4
-    replanned = ramp.replan(0, 6400, plans, num_train=6400)
-    assert replanned[0] == plans[0]
-    assert all(p == BatchPlan(16, 1, 32, 512) for p in replanned[1:])  # 64 -> ... -> 512 (300 < 512)
+    layouts = [BatchLayout(2, 1, 32, 64)] * 4
+    assert ramp.epoch_layouts(layouts, 6400) == layouts  # before training: nothing measured, nothing decided
+    relaid = ramp.epoch_layouts(layouts, 6400, after_epoch=0, samples_seen=6400)
+    assert relaid[0] == layouts[0]
+    assert all(p == BatchLayout(16, 1, 32, 512) for p in relaid[1:])  # 64 -> ... -> 512 (300 < 512)
     assert ramp.changes == [[6400, 1, 512, 300.0]]
-    assert ramp.replan(3, 9999, replanned, 6400) == replanned  # after the last epoch: nothing to decide
+    assert ramp.epoch_layouts(relaid, 6400, after_epoch=3, samples_seen=9999) == relaid  # after the last epoch
 
 
 def test_auto_ramp_needs_two_workers():
     with pytest.raises(ConfigError, match="dist.world_size >= 2"):
-        AutoBatchRamp().check_plan(BatchPlan(1, 1, 64, 64))
+        AutoBatchRamp().check_layout(BatchLayout(1, 1, 64, 64))
 
 
 # --- runs ---------------------------------------------------------------------------------------
@@ -137,11 +145,13 @@ def test_transformer_simulated_workers_equal_one_worker_at_the_same_global_batch
     assert relative_diff(final_params(tmp_path / "one"), final_params(tmp_path / "two")) < 2e-4
 
 
+@pytest.mark.slow
 def test_auto_ramp_simulated_equals_real_processes(tmp_path):
     # transformer1d (AdamW, the square-root rule) on 2 real processes and simulated: the same batch
     # decisions (worker 0's measurement) and the same parameters.
     args = [a for a in RAMP if a != "model=mlp"] + TINY_TRANSFORMER
     simulated = train(tmp_path / "sim", args)
     real = train(tmp_path / "real", args + ["dist.procs=2"])
-    assert real["technique_curves"]["batch_ramp/global_batch"] == simulated["technique_curves"]["batch_ramp/global_batch"]
+    decided = "batch_ramp/global_batch"
+    assert real["technique_curves"][decided] == simulated["technique_curves"][decided]
     assert relative_diff(final_params(tmp_path / "sim"), final_params(tmp_path / "real")) < 2e-4  # float order

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import lbt.checkpoint
 from conftest import FAST, lbt_cli, train
+
+import lbt.engine.checkpoint
 from lbt.errors import ConfigError
 
 STEPS_PER_EPOCH = 4  # 256 samples / global batch 64
@@ -41,7 +41,10 @@ def snapshot(run_dir: Path) -> dict[str, str]:
 
 
 def same_snapshot(after: dict[str, str], before: dict[str, str]) -> bool:
-    return ({k: v for k, v in after.items() if k != "train.log"} == {k: v for k, v in before.items() if k != "train.log"}
+    def without_log(files: dict) -> dict:
+        return {k: v for k, v in files.items() if k != "train.log"}
+
+    return (without_log(after) == without_log(before)
             and after["train.log"].startswith(before["train.log"]))
 
 
@@ -67,7 +70,7 @@ def test_the_last_two_checkpoints_are_kept_each_with_a_manifest(straight):
 
 @pytest.mark.parametrize("failing", ["rank0.pt", "manifest.json"])
 def test_a_write_failing_part_way_leaves_the_previous_checkpoint_usable(straight, tmp_path, monkeypatch, failing):
-    real_write, saves = lbt.checkpoint.atomic_write, []
+    real_write, saves = lbt.engine.checkpoint.atomic_write, []
 
     def disk_fills_up(path, write):
         """The second checkpoint's `failing` file: some bytes reach the disk, then ENOSPC."""
@@ -81,14 +84,14 @@ def test_a_write_failing_part_way_leaves_the_previous_checkpoint_usable(straight
             return real_write(path, half)
         return real_write(path, write)
 
-    monkeypatch.setattr(lbt.checkpoint, "atomic_write", disk_fills_up)
+    monkeypatch.setattr(lbt.engine.checkpoint, "atomic_write", disk_fills_up)
     run_dir = tmp_path / "run"
     with pytest.raises(ConfigError, match="cannot write checkpoint .* No space left on device"):
         train(run_dir, RUN)
     assert "step_4" in step_folders(run_dir) and "step_8" not in step_folders(run_dir)
     assert json.loads((run_dir / "checkpoint" / "latest.json").read_text())["folder"] == "step_4"
 
-    monkeypatch.setattr(lbt.checkpoint, "atomic_write", real_write)  # the disk has room again
+    monkeypatch.setattr(lbt.engine.checkpoint, "atomic_write", real_write)  # the disk has room again
     resumed = train(run_dir, RUN + ["trainer.resume=auto"])
     assert resumed["steps"] == 4 * STEPS_PER_EPOCH
     assert_same_params(straight, run_dir)
@@ -157,7 +160,7 @@ def test_a_checkpoint_of_the_previous_format_is_a_one_line_error(tmp_path):
     (tmp_path / "checkpoint" / "latest.json").write_text(
         json.dumps({"step": 8, "folder": "step_8", "procs": 1, "format": 2}))
     with pytest.raises(ConfigError, match="format 2 of an older lbt"):
-        lbt.checkpoint.Checkpointer(tmp_path, 0, 1).load_latest()
+        lbt.engine.checkpoint.Checkpointer(tmp_path, 0, 1).load_latest()
 
 
 @pytest.mark.slow

@@ -1,7 +1,6 @@
 """Bad input ends with one clear line and a non-zero exit: no traceback, no hang."""
 
 import pytest
-
 from conftest import FAST, lbt_cli
 
 CASES = {
@@ -28,8 +27,8 @@ CASES = {
 
 
 def run_main(args: list[str], capfd) -> tuple[int, str]:
-    """`lbt ARGS` in this process (lbt.cli.main, as the command runs it): exit code and stderr."""
-    from lbt.cli import main
+    """`lbt ARGS` in this process (lbt.apps.cli.main, as the command runs it): exit code and stderr."""
+    from lbt.apps.cli import main
 
     capfd.readouterr()
     code = 0
@@ -53,6 +52,7 @@ def test_bad_input_gives_one_line(name, tmp_path, capfd, monkeypatch):
     assert lines[0].startswith("lbt: error:") and expected in lines[0]
 
 
+@pytest.mark.slow
 def test_a_mistake_on_the_real_command_line(tmp_path):
     result = lbt_cli(["train", *FAST, "dist.wrold_size=4", f"hydra.run.dir={tmp_path}"], tmp_path, timeout=60)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -62,6 +62,7 @@ def test_a_mistake_on_the_real_command_line(tmp_path):
     assert lines[0].startswith("lbt: error:") and "did you mean dist.world_size?" in lines[0]
 
 
+@pytest.mark.slow
 def test_missing_cifar_folder_names_the_path(tmp_path):
     missing = tmp_path / "no_cifar_here"
     result = lbt_cli(["train", "data=cifar10", f"data.root={missing}", "model=resnet20", "trainer.progress=false",
@@ -72,6 +73,7 @@ def test_missing_cifar_folder_names_the_path(tmp_path):
     assert str(missing) in lines[0]
 
 
+@pytest.mark.slow
 def test_run_folder_that_cannot_be_created(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
@@ -111,6 +113,7 @@ def test_config_dir_models_are_checked_too(tmp_path, capfd, monkeypatch):
     assert code == 2 and "did you mean dist.world_size?" in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.slow
 def test_cfg_of_a_sweep_shows_its_first_job(tmp_path):
     """The README's `lbt train -m hydra/launcher=slurm recipe=baseline,goyal2017 --cfg hydra`."""
     result = lbt_cli(["train", "-m", "hydra/launcher=slurm", "recipe=baseline,goyal2017", "--cfg", "hydra"],
@@ -120,12 +123,14 @@ def test_cfg_of_a_sweep_shows_its_first_job(tmp_path):
     assert "submitit" in result.stdout and "recipe=baseline" in result.stdout
 
 
+@pytest.mark.slow
 def test_study_help(tmp_path):
     result = lbt_cli(["study", "--help"], tmp_path, timeout=60)
     assert result.returncode == 0 and result.stdout.startswith("usage: lbt study"), result.stderr
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_a_sweep_in_which_every_job_failed_exits_non_zero(tmp_path):
     sweep = tmp_path / "sweep"
     result = lbt_cli(["train", "-m", *FAST, "trainer.global_batch=100000,200000", f"hydra.sweep.dir={sweep}"],
@@ -138,7 +143,7 @@ def test_a_sweep_in_which_every_job_failed_exits_non_zero(tmp_path):
 
 @pytest.mark.parametrize("text, value", [("0.95", 0.95), ("95%", 0.95), ("99.5%", 0.995), ("1", 1.0)])
 def test_report_target_as_fraction_or_percent(text, value):
-    from lbt.cli import accuracy_target
+    from lbt.apps.report.cli import accuracy_target
 
     assert accuracy_target(text) == pytest.approx(value)
 

@@ -1,4 +1,4 @@
-"""Critical batch size (lbt/critical.py): the steps-to-target fit recovers known curves,
+"""Critical batch size (lbt/metrics/critical.py): the steps-to-target fit recovers known curves,
 the bootstrap interval covers the truth, and the small readers agree with hand values."""
 
 import math
@@ -8,7 +8,8 @@ import warnings
 import numpy as np
 import pytest
 
-from lbt.critical import CriticalFit, bootstrap_fit, crossing_step, fit_steps_to_target, gns_summary
+from lbt.metrics.critical import bootstrap_fit, crossing_step, fit_steps_to_target, gns_summary
+from lbt.spec.result import EvalPoint
 
 S_MIN, B_NOISE = 50.0, 1000.0
 BATCHES = [64 * 2**k for k in range(8)]  # 64 .. 8192: about 830 steps down to 56
@@ -23,8 +24,8 @@ def noisy_points(seeds: int = 3, noise: float = 0.04, rng_seed: int = 0) -> dict
     return {b: list(true_steps(b) * np.exp(noise * rng.standard_normal(seeds))) for b in BATCHES}
 
 
-def history(*points: tuple[float, float]) -> list[dict]:
-    return [{"step": s, "samples_seen": 64 * s, "global_batch": 64, "acc": a} for s, a in points]
+def history(*points: tuple[float, float]) -> list[EvalPoint]:
+    return [EvalPoint(step=s, samples_seen=64 * s, global_batch=64, acc=a, loss=math.nan) for s, a in points]
 
 
 # --- crossing_step -----------------------------------------------------------

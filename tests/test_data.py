@@ -9,7 +9,8 @@ import random
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 from torch.utils.data import Subset
 
@@ -23,7 +24,6 @@ from lbt.data import (
 )
 from lbt.data.cifar import CIFAR10_MEAN, CIFAR10_STD
 from lbt.errors import ConfigError
-
 
 # --- split_validation ------------------------------------------------------
 
@@ -314,11 +314,11 @@ def test_imagefolder_class_mismatch(tmp_path):
 def _trained_two_steps(run_dir, overrides):
     from conftest import compose_config
 
-    from lbt.train import run
+    from lbt.engine import make_spec, run
 
-    cfg, recipe = compose_config(["trainer.progress=false", "trainer.device=cpu", "trainer.max_steps=2",
-                                  "trainer.epochs=1", *overrides])
-    result = run(cfg, run_dir, recipe=recipe)
+    config, recipe = compose_config(["trainer.progress=false", "trainer.device=cpu", "trainer.max_steps=2",
+                                     "trainer.epochs=1", *overrides])
+    result = run(make_spec(config, recipe), run_dir).to_json()
     assert result["steps"] == 2 and result["samples_seen"] == 2 * result["global_batch"]
     assert np.isfinite(result["final_train_loss"]) and result["eval_split"] == "val"
     assert 0.0 <= result["final_val_acc"] <= 1.0 and 0.0 <= result["test_acc"] <= 1.0
@@ -335,6 +335,7 @@ def test_train_two_steps_from_cifar10_files(fake_cifar10, tmp_path):
     assert result["world_size"] == 2 and result["global_batch"] == 8
 
 
+@pytest.mark.slow
 def test_train_two_steps_from_an_image_folder(tmp_path):
     _write_image_folder(tmp_path / "images", per_class=6)  # 12 images: 1 held out for val, 2 steps of 4
     result = _trained_two_steps(tmp_path / "run", [

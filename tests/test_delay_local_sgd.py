@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import final_params, initial_params, relative_diff, train
-from lbt.config import BatchPlan
+
+from lbt.engine.strategies.gradient_delay import DelayLine, GradientDelay
+from lbt.engine.strategies.local_sgd import LocalSGD, allreduces_at, averages_after
 from lbt.errors import ConfigError
+from lbt.spec.batching import BatchLayout
 from lbt.techniques.batch_ramp import AutoBatchRamp
-from lbt.techniques.gradient_delay import DelayLine, GradientDelay
-from lbt.techniques.local_sgd import LocalSGD, allreduces_at, averages_after
 
 # 384 samples / global batch 64 = 6 steps of the BN-free mlp.
 RUN = ["model=mlp", "data.num_train=384", "trainer.epochs=1", "trainer.global_batch=64", "optim.lr=0.05",
@@ -40,7 +40,7 @@ def test_averaging_schedule_is_torchs_periodic_model_averager(monkeypatch):
         averager = averagers.PeriodicModelAverager.__new__(averagers.PeriodicModelAverager)
         averager.step, averager.period, averager.warmup_steps, averager.process_group = 0, period, warmup, "group"
         steps = []
-        for step in range(40):
+        for _ in range(40):
             averaged.clear()
             averager.average_parameters([])
             steps.append(bool(averaged))
@@ -49,38 +49,37 @@ def test_averaging_schedule_is_torchs_periodic_model_averager(monkeypatch):
     assert [allreduces_at(s, 4, 2) for s in range(8)] == [1, 1, 1, 0, 0, 0, 1, 0]
 
 
+@pytest.mark.slow
 def test_bad_values_and_conflicts_are_config_errors():
     for make in (lambda: GradientDelay(0), lambda: LocalSGD(period=0), lambda: LocalSGD(warmup_steps=-1)):
         with pytest.raises(ConfigError, match="must be"):
             make()
-    with pytest.raises(ConfigError, match="gradient_delay with local_sgd"):
-        GradientDelay(1).check_together([GradientDelay(1), LocalSGD()])
+    with pytest.raises(ConfigError, match="local_sgd with gradient_delay: local SGD sends no gradients to delay"):
+        train_config_error(["technique=[gradient_delay,local_sgd]"])
     with pytest.raises(ConfigError, match="local_sgd with comm_compression"):
         train_config_error(["technique=[local_sgd,comm_compression]"])
     with pytest.raises(ConfigError, match="dist.procs=1"):
         train_config_error(["technique=[local_sgd]", "dist.world_size=4", "dist.procs=2"])
     # The automatic batch ramp measures the noise scale as measure=[gns] does: refused beside a real delay too.
-    delay = GradientDelay(1)
-    delay.check_together([delay, AutoBatchRamp()])
     with pytest.raises(ConfigError, match="batch_ramp mode=auto"):
-        delay.check_plan(BatchPlan(world_size=2, procs=2, per_worker_batch=32, global_batch=64))
+        GradientDelay(1).setup(BatchLayout(world_size=2, procs=2, per_worker_batch=32, global_batch=64),
+                               [AutoBatchRamp()])
 
 
 def train_config_error(overrides: list[str]) -> None:
-    from lbt import dist as lbt_dist
-    from lbt.train import build_parts
-    from omegaconf import OmegaConf
-
     from conftest import FAST, compose_config
 
-    cfg, _ = compose_config(FAST + RUN + overrides)
-    config = OmegaConf.to_container(cfg, resolve=True)
-    world = config["dist"]["world_size"] or 1
-    ctx = lbt_dist.DistContext(0, config["dist"]["procs"] or 1, 0, world, torch.device("cpu"))
-    build_parts(config, ctx)
+    from lbt.engine import make_spec
+    from lbt.engine.build import build_parts
+    from lbt.parallel.process_group import DistContext
+
+    config, recipe = compose_config(FAST + RUN + overrides)
+    spec = make_spec(config, recipe)
+    build_parts(spec, DistContext(0, spec.procs, 0, spec.gpus, torch.device("cpu")))
 
 
 # -- simulated == real ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_delay_simulated_equals_real_and_differs_from_synchronous(tmp_path):
     delay = ["technique=[gradient_delay]", "technique.gradient_delay.delay=1", "dist.world_size=2"]
     simulated = train(tmp_path / "sim", RUN + delay)
@@ -93,6 +92,7 @@ def test_delay_simulated_equals_real_and_differs_from_synchronous(tmp_path):
     assert real["allreduces"] == sync["allreduces"] == 6  # double buffering hides, does not save, communication
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_local_sgd_simulated_equals_real(tmp_path, world_size):
     local = ["technique=[local_sgd]", "technique.local_sgd.period=3", "technique.local_sgd.warmup_steps=2",
@@ -120,17 +120,18 @@ def _params(overrides: list[str]) -> int:
 
 
 def test_plan_models_the_overlap_of_a_delayed_allreduce():
-    from lbt.plan import Compute, Network, overlapped_step_seconds, plan_rows
+    from lbt.cost.data_parallel import Compute, Network, overlapped_step_seconds, scaling_rows
 
     assert overlapped_step_seconds(0.010, 0.004) == 0.010 and overlapped_step_seconds(0.010, 0.025) == 0.025
     compute = Compute(0.003, 0.006, 0.001, 64, 1_000_000, "given")
     network = Network("slow", 1.0, 0.0, "test")  # 4 MB of gradients over 1 Gb/s: 32 ms at W=2 (ring)
-    sync, delayed = (plan_rows(compute, network, [2], 60_000, delay=d)[0] for d in (0, 1))
+    sync, delayed = (scaling_rows(compute, network, [2], 60_000, delay=d)[0] for d in (0, 1))
     assert sync.step_s == pytest.approx(0.010 + sync.allreduce_s)
     assert delayed.step_s == pytest.approx(max(0.010, sync.allreduce_s))
     assert delayed.synchronous_step_s == pytest.approx(sync.step_s)
 
 
+@pytest.mark.slow
 def test_lbt_study_sweeps_delay_and_period_as_separate_curves(tmp_path):
     import json
 
@@ -139,7 +140,7 @@ def test_lbt_study_sweeps_delay_and_period_as_separate_curves(tmp_path):
             "hydra/launcher=basic"]  # one process: no job start-up per run
     sweeps = {"delay": ["technique=[gradient_delay]", "technique.gradient_delay.delay=1,2"],
               "local": ["technique=[local_sgd]", "technique.local_sgd.period=1,4"]}
-    from lbt.cli import main
+    from lbt.apps.cli import main
 
     for name, sweep in sweeps.items():  # in this process, as `lbt study` runs it (no interpreter start-ups)
         main(["study", *tiny, *sweep, f"hydra.sweep.dir={tmp_path / 'study' / name}"])

@@ -10,7 +10,6 @@ Simulation is checked both fused (one pass, per-worker BN chunks) and sequential
 """
 
 import pytest
-
 from conftest import final_params, initial_params, relative_diff, train
 
 STEPS = ["data.num_train=1280", "trainer.epochs=1", "optim.lr=0.05"]  # 1280 / 64 = 20 steps
@@ -75,7 +74,7 @@ def test_bn_epoch_average_is_the_same_fused_and_sequential(tmp_path):
 
 
 def test_auto_passes_hold_about_256_samples_of_a_batchnorm_model_on_cpu():
-    from lbt.fused import PASS_SAMPLES, workers_per_pass
+    from lbt.engine.passes import PASS_SAMPLES, workers_per_pass
 
     assert PASS_SAMPLES == 256
     assert workers_per_pass("auto", 16, 256, True, "cpu") == 1  # big workers: one pass each

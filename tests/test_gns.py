@@ -5,12 +5,12 @@ import math
 
 import pytest
 import torch
+from conftest import train
 from torch.func import functional_call, grad, vmap
 
-from conftest import train
 from lbt.data.synthetic import build_synthetic
 from lbt.models import MLP
-from lbt.config import BatchPlan
+from lbt.spec.batching import BatchLayout
 from lbt.techniques.base import Progress
 from lbt.techniques.gns import (
     GradientNoiseScale,
@@ -30,7 +30,8 @@ def test_finite_population_factor_by_hand():
 def test_noise_scale_terms_invert_the_expected_norms():
     grad_sq, trace, n = 2.0, 50.0, 1000
     small, big = 8, 128
-    expected = lambda b: grad_sq + finite_population_factor(b, n) * trace  # E|g_b|^2
+    def expected(b: int) -> float:  # E|g_b|^2
+        return grad_sq + finite_population_factor(b, n) * trace
     g2, tr = noise_scale_terms(expected(small), expected(big), small, big, n)
     assert g2 == pytest.approx(grad_sq) and tr == pytest.approx(trace)
     # without the finite-population correction: McCandlish et al.'s formulas
@@ -80,6 +81,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
 def test_in_training_estimate_matches_per_example_gradients(tmp_path, layout):
     # N=256 training samples, global batch 64 = N/4; a negligible LR keeps the
@@ -108,13 +110,12 @@ def test_auto_measures_often_enough_to_cost_about_three_percent():
 
 def test_every_nth_step_measures_and_averages_as_many_measurements():
     gns = GradientNoiseScale(ema_decay=0.9, every="auto")
-    gns.check_plan(BatchPlan(world_size=16, procs=1, per_worker_batch=64, global_batch=1024))
-    assert gns.every == 4 and gns.estimator.decay == 0.9
-    assert [step for step in range(10) if gns.wants_worker_gradient(step)] == [0, 4, 8]
+    gns.check_layout(BatchLayout(world_size=16, procs=1, per_worker_batch=64, global_batch=1024))
+    assert gns.worker_gradient_every == 4 and gns.estimator.decay == 0.9
     model = torch.nn.Linear(2, 1)
     model.weight.grad, model.bias.grad = torch.ones(1, 2), torch.ones(1)
     for step in range(5):  # the trainer hands over worker 0's gradient only where asked
-        if gns.wants_worker_gradient(step):
+        if step % gns.worker_gradient_every == 0:
             gns.on_worker_gradient([torch.full((1, 2), 2.0), torch.full((1,), 2.0)], 64, 16)
         gns.after_backward(model, Progress(step * 1024, step, 0, 1024, 60_000))
     assert gns.estimator.weight == pytest.approx(1 - 0.9 ** 2)  # two measurements: steps 0 and 4

@@ -3,10 +3,11 @@ with exit code 2 and one line on stderr; never a traceback, never a hang."""
 
 import time
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lbt.cli import main
+from lbt.apps.cli import main
 
 KEYS = [
     "trainer.per_worker_batch", "trainer.global_batch", "trainer.epochs", "trainer.seed", "trainer.log_every",
@@ -55,6 +56,7 @@ override_sets = st.lists(
 
 @settings(max_examples=150, deadline=60_000, suppress_health_check=[HealthCheck.too_slow,
                                                                        HealthCheck.function_scoped_fixture])
+@pytest.mark.slow
 @given(override_sets)
 def test_generated_overrides_run_or_fail_in_one_line(tmp_path_factory, capfd, overrides):
     run_dir = tmp_path_factory.mktemp("hostile")

@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import FAST, final_params, lbt_cli, relative_diff
-from lbt.dist import _cause
+
+from lbt.parallel.launcher import _cause
 
 RUN = FAST + ["model=mlp", "data.num_train=640", "trainer.epochs=2", "trainer.global_batch=64"]
 
@@ -36,7 +36,8 @@ def read_result(run_dir: Path) -> dict:
 
 @pytest.mark.slow
 def test_torchrun_matches_local_launcher(tmp_path):
-    local = lbt_cli(["train", *RUN, "dist.world_size=2", "dist.procs=2", f"hydra.run.dir={tmp_path / 'local'}"], tmp_path)
+    local = lbt_cli(["train", *RUN, "dist.world_size=2", "dist.procs=2", f"hydra.run.dir={tmp_path / 'local'}"],
+                    tmp_path)
     assert local.returncode == 0, local.stderr
     port = free_port()
     job = torchrun(

@@ -6,13 +6,14 @@ import math
 
 import pytest
 
-from lbt.critical import crossing_step
-from lbt.objective import ACC, LOSS, bits, metric_named
 from lbt.errors import ConfigError
+from lbt.metrics.critical import crossing_step
+from lbt.spec.objective import ACC, LOSS, bits, metric_named
+from lbt.spec.result import EvalPoint
 
 
 def history(*points):
-    return [{"step": s, "samples_seen": 64 * s, "global_batch": 64, "acc": 0.0, "loss": loss} for s, loss in points]
+    return [EvalPoint(step=s, samples_seen=64 * s, global_batch=64, acc=0.0, loss=loss) for s, loss in points]
 
 
 def test_one_definition_of_better():
@@ -58,7 +59,7 @@ def study(tmp_path):
 
 
 def test_report_on_a_loss_target(study):
-    from lbt.report import write_report
+    from lbt.apps.report import write_report
 
     summary = write_report(study, metric="loss", tolerance=0.1)
     assert summary["metric"] == "loss" and summary["target_loss"] == pytest.approx(2.0 + 0.05)  # default margin
@@ -78,7 +79,7 @@ def test_report_on_a_loss_target(study):
 
 
 def test_report_command_reads_a_loss_target(study, capsys):
-    from lbt.cli import main
+    from lbt.apps.cli import main
 
     main(["report", str(study), "--metric", "loss", "--target", "2.5"])
     out = capsys.readouterr().out
@@ -91,7 +92,7 @@ def test_report_command_reads_a_loss_target(study, capsys):
                                             (["--tolerance", "x"], "not a loss in nats"),
                                             (["--metric", "bpc"], "invalid choice")])
 def test_bad_loss_options_are_one_line(study, capsys, args, expected):
-    from lbt.cli import main
+    from lbt.apps.cli import main
 
     with pytest.raises(SystemExit) as stop:
         main(["report", str(study), "--metric", "loss", *args])
@@ -103,7 +104,9 @@ def test_tune_minimises_a_loss():
     """The pruner hears the loss, Optuna minimises it, the best trial is the lowest, gaps are in nats."""
     import optuna
 
-    from lbt.tune import PruneOnVal, gap_lines, gaps_to_base, open_study, Settings
+    from lbt.apps.tune.grid import Settings, TuneGrid
+    from lbt.apps.tune.report import gap_lines, gaps_to_base
+    from lbt.apps.tune.trials import PruneOnVal, open_study
 
     class Trial:
         reports = []
@@ -112,7 +115,7 @@ def test_tune_minimises_a_loss():
             self.reports.append((step, value))
 
     hook = PruneOnVal(Trial(), prune_after=None, metric=LOSS)
-    hook.after_eval(5, 500, acc=0.3, loss=2.4)
+    hook.after_eval(EvalPoint(step=5, samples_seen=500, global_batch=100, acc=0.3, loss=2.4))
     assert hook.trial.reports == [(500, 2.4)]
 
     node = {"trials": 2, "seeds": 1, "seed": 0, "startup_trials": 1, "pruner": "none", "prune_startup_trials": 1,
@@ -120,22 +123,18 @@ def test_tune_minimises_a_loss():
     settings = Settings.from_config({**node, "metric": "loss"})
     assert settings.metric is LOSS
 
-    class Plan:
-        pass
-
     class Cell:
         name, space = "recipe=baseline", {}
 
-    plan = Plan()
-    plan.settings, plan.fixed = settings, []
+    grid = TuneGrid(settings, head=[], fixed=[])
     storage = optuna.storages.InMemoryStorage()
-    study = open_study(optuna, storage, plan, Cell())
+    study = open_study(storage, grid, Cell())
     for value in (2.3, 2.1, math.inf):  # inf: a diverged trial, the worst loss
         study.tell(study.ask(), value)
     assert study.best_value == 2.1
-    plan.settings = Settings.from_config(node)  # tune.metric=acc (the default) over the same trials: refused
+    grid.settings = Settings.from_config(node)  # tune.metric=acc (the default) over the same trials: refused
     with pytest.raises(ConfigError, match="minimized their value, and tune.metric=acc maximizes"):
-        open_study(optuna, storage, plan, Cell())
+        open_study(storage, grid, Cell())
 
     cells = [{"cell": f"b{b}", "series": "baseline", "global_batch": b,
               "tuned": {"val_mean_std": [val, 0.0], "test_mean_std": [test, 0.0]}}

@@ -1,4 +1,5 @@
-"""The LR schedule (lbt/lr.py) and the step budget it is measured on (lbt/config.py), against hand-computed values."""
+"""The LR schedule (lbt/spec/lr.py) and the step budget it is measured on (lbt/spec/batching.py), against
+hand-computed values."""
 
 import math
 
@@ -6,9 +7,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lbt.config import BatchPlan, Budget, make_budget
 from lbt.errors import ConfigError
-from lbt.lr import Schedule, build_schedule, lr_at, peak, scaling_factor
+from lbt.spec.batching import BatchLayout, Budget, make_budget
+from lbt.spec.lr import Schedule, build_schedule, lr_at, peak, scaling_factor
+from lbt.spec.run import ScheduleSpec, from_node
 
 
 def schedule(**overrides) -> Schedule:
@@ -18,8 +20,8 @@ def schedule(**overrides) -> Schedule:
 
 
 def budget(global_batch: int, epochs: int, num_train: int, max_steps: int | None = None) -> Budget:
-    plan = BatchPlan(world_size=1, procs=1, per_worker_batch=global_batch, global_batch=global_batch)
-    return make_budget([plan] * epochs, num_train, max_steps)
+    layout = BatchLayout(world_size=1, procs=1, per_worker_batch=global_batch, global_batch=global_batch)
+    return make_budget([layout] * epochs, num_train, max_steps)
 
 
 # --- scaling -----------------------------------------------------------------
@@ -115,26 +117,31 @@ NODE = dict(scaling="linear", base_batch=64, warmup_epochs=2, warmup_samples=Non
             warmup_mode="linear", decay="cosine", final_factor=0.0, power=2.0, milestones=[], gamma=0.1)
 
 
+def spec(**changes) -> ScheduleSpec:
+    """The `schedule` node with `changes`, checked as a run's spec checks it (lbt/spec/run.py)."""
+    return from_node(ScheduleSpec, {**NODE, **changes}, "schedule").check()
+
+
 def test_build_schedule_puts_the_peak_on_a_step_boundary():
     b = budget(1024, 10, 6000)  # 5 steps per epoch
-    s = build_schedule(NODE, 0.1, 1024, b)
+    s = build_schedule(spec(), 0.1, 1024, b)
     assert s.warmup_samples == 10 * 1024 and s.total_samples == 50 * 1024
     assert peak(s, b) == (pytest.approx(1.6), 10 * 1024)
-    assert build_schedule({**NODE, "warmup_epochs": 0, "warmup_samples": 2500}, 0.1, 1024, b).warmup_samples == 3072
+    assert build_schedule(spec(warmup_epochs=0, warmup_samples=2500), 0.1, 1024, b).warmup_samples == 3072
 
 
 def test_warmup_longer_than_the_run_peaks_at_its_last_step():
     b = budget(1024, 2, 6000)
-    s = build_schedule({**NODE, "warmup_epochs": 5}, 0.1, 1024, b)
+    s = build_schedule(spec(warmup_epochs=5), 0.1, 1024, b)
     top, at = peak(s, b)
     assert at == 9 * 1024 and top == pytest.approx(0.1 + 1.5 * 9 / 10)
 
 
 def test_step_milestones_and_ramp_divisions_become_drops():
-    plan = BatchPlan(1, 1, 100, 100)
-    b = make_budget([plan, plan, plan.grown(2, "per_worker_batch"), plan.grown(2, "per_worker_batch", 0.5)],
+    layout = BatchLayout(1, 1, 100, 100)
+    b = make_budget([layout, layout, layout.grown(2, "per_worker_batch"), layout.grown(2, "per_worker_batch", 0.5)],
                     1000, None)
-    s = build_schedule({**NODE, "warmup_epochs": 0, "decay": "step", "milestones": [1]}, 0.1, 100, b)
+    s = build_schedule(spec(warmup_epochs=0, decay="step", milestones=[1]), 0.1, 100, b)
     assert s.drops == ((1000, 0.1), (3000, 0.5))  # epochs take 1,000 samples each: 10 x 100, then 5 x 200
 
 
@@ -151,7 +158,7 @@ def test_step_milestones_and_ramp_divisions_become_drops():
 ])
 def test_bad_schedule_values_are_one_line_errors(change, message):
     with pytest.raises(ConfigError, match=message):
-        build_schedule({**NODE, **change}, 0.1, 1024, budget(1024, 10, 6000))
+        build_schedule(spec(**change), 0.1, 1024, budget(1024, 10, 6000))
 
 
 def test_scaling_factor_is_exact_for_the_acceptance_case():

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-
 from conftest import final_params, relative_diff, train
-from lbt.config import BatchPlan
+
 from lbt.errors import ConfigError
+from lbt.spec.batching import BatchLayout
 from lbt.techniques.comm_compression import CommCompression
 from lbt.techniques.sync_bn import SyncBN
 
@@ -57,13 +57,13 @@ def test_simulated_compression_agrees_with_real_workers(kind, tmp_path):
 
 def test_what_cannot_be_simulated_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="PowerSGD's per-worker error feedback is not simulated"):
-        CommCompression("powersgd").check_plan(BatchPlan(4, 1, 16, 64))
+        CommCompression("powersgd").check_layout(BatchLayout(4, 1, 16, 64))
     with pytest.raises(ConfigError, match="dist.procs=1"):
-        CommCompression("fp16").check_plan(BatchPlan(4, 2, 16, 64))
-    CommCompression("powersgd").check_plan(BatchPlan(2, 2, 32, 64))  # real workers: DDP's hook
-    CommCompression("fp16").check_plan(BatchPlan(4, 1, 16, 64))  # simulated per worker
+        CommCompression("fp16").check_layout(BatchLayout(4, 2, 16, 64))
+    CommCompression("powersgd").check_layout(BatchLayout(2, 2, 32, 64))  # real workers: DDP's hook
+    CommCompression("fp16").check_layout(BatchLayout(4, 1, 16, 64))  # simulated per worker
     with pytest.raises(ConfigError, match="sync_bn pools BN statistics across processes"):
-        SyncBN().check_plan(BatchPlan(4, 1, 16, 64))
+        SyncBN().check_layout(BatchLayout(4, 1, 16, 64))
 
 
 def test_powersgd_with_simulated_workers_stops_the_run(tmp_path):

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lbt.errors import ConfigError
-from lbt.models import CNN1d, MLP, BasicBlock, ResNet20, torchvision_model
+from lbt.models import MLP, BasicBlock, CNN1d, ResNet20, torchvision_model
 
 
 def _has_batchnorm(model: nn.Module) -> bool:

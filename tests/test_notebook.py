@@ -12,7 +12,9 @@ NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "study_analysis.i
 @pytest.mark.slow
 def test_study_notebook_executes(tmp_path):
     notebook = nbformat.read(NOTEBOOK, as_version=4)
-    NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    client = NotebookClient(notebook, timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
     images = [o for o in outputs if "image/png" in o.get("data", {})]

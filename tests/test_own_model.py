@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -16,6 +18,7 @@ def readme_block(heading: str) -> str:
     return re.search(r"```bash\n(.*?)```", section, re.S).group(1)
 
 
+@pytest.mark.slow
 def test_the_readme_own_model_section_works_as_written(tmp_path, data_dir):
     block = readme_block("## Your own model and data")
     # `lbt` is the command of this interpreter's environment; the block itself runs unchanged.
@@ -40,6 +43,7 @@ def test_the_readme_own_model_section_works_as_written(tmp_path, data_dir):
     assert not (tmp_path / "plan.png").exists()
 
 
+@pytest.mark.slow
 def test_own_data_of_the_wrong_shape_is_one_line(tmp_path):
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text(

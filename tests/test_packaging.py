@@ -30,7 +30,7 @@ def test_installed_wheel_finds_its_configs(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert str(target / "lbt" / "conf") in subprocess.run(
-        [sys.executable, "-c", "import lbt.paths; print(lbt.paths.conf_dir())"],
+        [sys.executable, "-c", "import lbt.apps.compose; print(lbt.apps.compose.conf_dir())"],
         cwd=elsewhere, env=env, capture_output=True, text=True,
     ).stdout
     assert (elsewhere / "run" / "result.json").is_file()

@@ -6,21 +6,24 @@ import json
 
 import pytest
 
-from lbt.data import DataShape
-from lbt.plan import (
+from lbt.apps.plan.cli import plan_main
+from lbt.apps.plan.compute import compute_from_result
+from lbt.cost.data_parallel import (
     NETWORKS,
     Compute,
     Network,
-    compute_from_result,
-    expected_max,
     epoch_seconds,
+    expected_max,
     gradient_bytes,
-    plan_rows,
     ring_allreduce_seconds,
+    scaling_rows,
     step_seconds,
     worker_counts,
 )
-from lbt.plan_cli import plan_main
+from lbt.data import DataShape
+from lbt.engine.build import data_shape
+from lbt.spec.result import RunResult, write_result
+from lbt.spec.targets import target_of
 
 
 def test_ring_allreduce_one_worker_costs_nothing():
@@ -92,11 +95,11 @@ def test_network_presets_cover_the_usual_fabrics():
     assert speeds == sorted(speeds, reverse=True)
 
 
-def test_plan_rows_hand_computed_with_a_slow_network():
+def test_scaling_rows_hand_computed_with_a_slow_network():
     # 10 ms of compute at b=100, 25M parameters = 100 MB of fp32 gradient over 1 Gb/s (125 MB/s), no latency.
     compute = Compute(0.004, 0.006, 0.0, per_worker_batch=100, num_params=25_000_000, source="test")
     net = Network("test", 1.0, 0.0, "test")
-    rows = plan_rows(compute, net, [1, 2, 4], train_samples=1000, critical_batch=250)
+    rows = scaling_rows(compute, net, [1, 2, 4], train_samples=1000, critical_batch=250)
     one, two, four = rows
     assert one.epoch_s == pytest.approx(10 * 0.01) and one.speedup == pytest.approx(1.0)
     # W=2: allreduce = 1 x 100 MB / 125 MB/s = 0.8 s; 5 steps of 0.81 s.
@@ -112,13 +115,13 @@ def test_plan_rows_hand_computed_with_a_slow_network():
     assert [r.global_batch for r in rows] == [100, 200, 400]
 
 
-def test_plan_rows_compression_and_overlap():
+def test_scaling_rows_compression_and_overlap():
     compute = Compute(0.01, 0.02, 0.0, per_worker_batch=64, num_params=1_000_000, source="test")
     net = Network("test", 8.0, 0.0, "test")  # 1 GB/s
-    plain, = plan_rows(compute, net, [2], 64_000)[0:1]
-    half, = plan_rows(compute, net, [2], 64_000, compression="fp16")[0:1]
+    plain, = scaling_rows(compute, net, [2], 64_000)[0:1]
+    half, = scaling_rows(compute, net, [2], 64_000, compression="fp16")[0:1]
     assert plain.allreduce_s == pytest.approx(4e-3) and half.allreduce_s == pytest.approx(2e-3)
-    hidden, = plan_rows(compute, net, [2], 64_000, overlap=0.1)[0:1]
+    hidden, = scaling_rows(compute, net, [2], 64_000, overlap=0.1)[0:1]
     # 10% of the 20 ms backward = 2 ms hidden of the 4 ms allreduce.
     assert hidden.step_s == pytest.approx(0.03 + 0.002)
 
@@ -135,10 +138,10 @@ def test_expected_max_by_hand():
         expected_max([], 2)
 
 
-def test_plan_rows_wait_for_the_slowest_worker():
+def test_scaling_rows_wait_for_the_slowest_worker():
     samples = (0.01, 0.01, 0.01, 0.03)  # a step in four takes three times as long
     compute = Compute(0.004, 0.006, 0.0, per_worker_batch=10, num_params=1, source="test", step_samples=samples)
-    one, two = plan_rows(compute, Network("test", 1e6, 0.0, "test"), [1, 2], train_samples=1000)
+    one, two = scaling_rows(compute, Network("test", 1e6, 0.0, "test"), [1, 2], train_samples=1000)
     assert one.compute_s == pytest.approx(0.015)  # the mean: what samples/s measures
     # The slower of two: 30 ms unless neither draws it (9/16): 9/16 x 10 + 7/16 x 30 = 18.75 ms.
     assert two.compute_s == pytest.approx(0.01875) and two.step_s == pytest.approx(0.01875, rel=1e-4)
@@ -146,21 +149,17 @@ def test_plan_rows_wait_for_the_slowest_worker():
 
 
 def test_compute_from_result(tmp_path):
-    result = {
-        "samples_per_sec": 6400.0, "per_worker_batch": 64, "world_size": 4, "procs": 1,
-        "config": {
-            "model": {"_target_": "lbt.models.MLP", "hidden": 128, "num_layers": 2},
-            "data": {"_target_": "lbt.data.build_synthetic", "num_train": 512, "input_shape": [40], "num_classes": 10},
-        },
-    }
-    path = tmp_path / "result.json"
-    path.write_text(json.dumps(result))
-    compute, train_samples = compute_from_result(path)
+    config = {"model": {"_target_": "lbt.models.MLP", "hidden": 128, "num_layers": 2},
+              "data": {"_target_": "lbt.data.build_synthetic", "num_train": 512, "input_shape": [40],
+                       "num_classes": 10}}
+    path = write_result(tmp_path, RunResult(samples_per_sec=6400.0, per_worker_batch=64, world_size=4, procs=1,
+                                            config=config))
+    compute, model, shape = compute_from_result(path)
     # step = 256 samples / 6400 samples/s = 40 ms for 4 simulated workers: 10 ms each.
     assert compute.total_s == pytest.approx(0.01)
     assert compute.per_worker_batch == 64
     assert compute.num_params == 40 * 128 + 128 + 128 * 128 + 128 + 128 * 10 + 10
-    assert train_samples == 512
+    assert shape.num_train == 512 and model.target == "lbt.models.MLP"
 
 
 def test_plan_main_prints_the_table_and_writes_the_png(tmp_path, capsys):
@@ -199,7 +198,7 @@ def test_plan_main_custom_network_and_usage_errors(tmp_path, capsys):
 
 
 def test_plan_takes_hydra_style_key_values_like_lbt_train(tmp_path, capsys):
-    from lbt.plan_cli import hydra_style
+    from lbt.apps.plan.cli import hydra_style
 
     assert hydra_style(["model=resnet20", "per_worker_batch=128", "--network", "1gbe"]) == \
         ["--model", "resnet20", "--per-worker-batch", "128", "--network", "1gbe"]
@@ -211,26 +210,27 @@ def test_plan_takes_hydra_style_key_values_like_lbt_train(tmp_path, capsys):
 
 
 def test_models_and_data_come_from_conf():
-    from lbt.paths import conf_dir
-    from lbt.plan import config_names, data_shape
+    from lbt.apps.compose import conf_dir
+    from lbt.apps.plan.compute import config_names
 
     assert config_names("model") == sorted(p.stem for p in (conf_dir() / "model").glob("*.yaml"))
     assert {"cnn1d", "mlp", "resnet20", "torchvision"} <= set(config_names("model"))
     assert {"mnist1d", "cifar10", "synthetic", "imagefolder"} <= set(config_names("data"))
     # Without loading the data: MNIST-1D's defaults are 60,000 train samples of 40 values; CIFAR-10's folder is absent.
-    assert data_shape({"_target_": "lbt.data.build_mnist1d"}) == DataShape((40,), 10, 60000)
-    assert data_shape({"_target_": "lbt.data.build_cifar10", "root": "/nowhere", "val_fraction": 0.1}) == \
+    assert data_shape(target_of({"_target_": "lbt.data.build_mnist1d"}, "data")) == DataShape((40,), 10, 60000)
+    cifar = target_of({"_target_": "lbt.data.build_cifar10", "root": "/nowhere", "val_fraction": 0.1}, "data")
+    assert data_shape(cifar) == \
         DataShape((3, 32, 32), 10, 45000)
 
 
 def test_data_shape_agrees_with_the_built_data():
     from lbt.data import build_synthetic
-    from lbt.plan import data_shape
 
     node = {"_target_": "lbt.data.build_synthetic", "num_train": 300, "input_shape": [3, 8, 8], "num_classes": 7,
             "val_fraction": 0.25}
     built = build_synthetic(**{k: v for k, v in node.items() if k != "_target_"})
-    assert data_shape(node) == DataShape(tuple(built.input_shape), built.num_classes, len(built.train))
+    assert data_shape(target_of(node, "data")) == DataShape(tuple(built.input_shape), built.num_classes,
+                                                            len(built.train))
 
 
 def test_plan_profiles_a_model_on_the_data_it_names(tmp_path, capsys):

@@ -2,38 +2,36 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from lbt.models import MLP, CNN1d, Transformer1d
-from lbt.plan import Compute, Network, ring_allreduce_seconds, ring_bytes_sent
-from lbt.plan_cli import plan_main
-from lbt.plan_tp import (
+from lbt.apps.plan.cli import plan_main
+from lbt.cost.data_parallel import Compute, Network, ring_allreduce_seconds, ring_bytes_sent
+from lbt.cost.tensor_parallel import (
     Collective,
     DenseSplit,
-    Split,
     SplitRow,
     dense_split,
     recommend,
     ring_allgather_seconds,
-    split_plan,
     split_rows,
     tensor_parallel_options,
     tp_comm_seconds,
     tp_compute_seconds,
-    why_not,
 )
+from lbt.models import MLP, CNN1d, Transformer1d
+from lbt.parallel.tensor_parallel import Split, dense_splits, why_not
+from lbt.spec.result import RunResult, write_result
 
 # 1 byte/s and no latency: a communication time in seconds is the bytes each rank sends.
 BYTES = Network("bytes", 8e-9, 0.0, "test")
 
 
 def test_why_not_names_the_layer_t_does_not_divide():
-    cnn = split_plan(CNN1d())
+    cnn = dense_splits(CNN1d())
     assert why_not(cnn, 1) is None and why_not(cnn, 2) is None
     assert why_not(cnn, 4) == "width 10 of layer 11 (gather split) is not divisible by 4"
     assert "no dense layer" in why_not([], 2)
@@ -192,15 +190,11 @@ def test_plan_says_which_t_the_model_cannot_take(tmp_path, capsys):
 
 
 def test_plan_tensor_parallel_from_a_result(tmp_path, capsys):
-    result = {
-        "samples_per_sec": 6400.0, "per_worker_batch": 64, "world_size": 1, "procs": 1,
-        "config": {
-            "model": {"_target_": "lbt.models.MLP", "hidden": 256, "num_layers": 2},
-            "data": {"_target_": "lbt.data.build_synthetic", "num_train": 4096, "input_shape": [40], "num_classes": 10},
-        },
-    }
-    path = tmp_path / "result.json"
-    path.write_text(json.dumps(result))
+    config = {"model": {"_target_": "lbt.models.MLP", "hidden": 256, "num_layers": 2},
+              "data": {"_target_": "lbt.data.build_synthetic", "num_train": 4096, "input_shape": [40],
+                       "num_classes": 10}}
+    path = write_result(tmp_path, RunResult(samples_per_sec=6400.0, per_worker_batch=64, world_size=1, procs=1,
+                                            config=config))
     assert plan_main(["--from-result", str(path), "--tensor-parallel", "2", "--max-workers", "4"]) == 0
     printed = capsys.readouterr().out
     assert "lbt.models.MLP.1 (colwise)" in printed and " 2 x 2 " in printed and "1 x 4" not in printed

@@ -2,7 +2,8 @@
 
 import pytest
 
-from lbt.report import Row, answer_lines, gpu_answer
+from lbt.apps.report.answer import answer_lines, gpu_answer
+from lbt.apps.report.rows import Row
 
 
 def row(recipe: str, batch: int, acc: float, std: float = 0.0, seeds: int = 1, diverged: int = 0) -> Row:
@@ -40,6 +41,7 @@ def test_a_diverged_batch_does_not_count():
     assert gpu_answer(rows, tolerance=1.0)["best"]["global_batch"] == 4096
 
 
+@pytest.mark.slow
 def test_lbt_study_checks_its_report_options_before_running(tmp_path):
     from conftest import lbt_cli
 
@@ -51,7 +53,7 @@ def test_lbt_study_checks_its_report_options_before_running(tmp_path):
 def test_tolerance_points(value, ok):
     import argparse
 
-    from lbt.cli import points
+    from lbt.apps.report.cli import points
 
     if ok:
         assert points(value) == 0.5
@@ -65,13 +67,12 @@ def test_time_to_accuracy_on_a_network(tmp_path, step_ms):
     """With --network: steps to target (measured) x the step time lbt plan predicts at each world size."""
     import json
 
-    from omegaconf import OmegaConf
+    from conftest import FAST, compose_config
     from test_study import _job
 
-    from conftest import FAST, compose_config
-    from lbt.report import write_report
+    from lbt.apps.report import write_report
 
-    config = OmegaConf.to_container(compose_config(FAST + ["model=mlp"])[0], resolve=True)
+    config, _ = compose_config(FAST + ["model=mlp"])  # resolved, as a run saves it in result.json
     for n, (world_size, accs) in enumerate([(1, [0.8, 0.95]), (4, [0.7, 0.94]), (16, [0.5, 0.9])]):
         _job(tmp_path / str(n), "baseline", world_size, 0, accs, b_simple=200.0, test=accs[-1])
         result = json.loads((tmp_path / str(n) / "result.json").read_text())

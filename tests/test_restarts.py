@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
 from conftest import FAST, train
+
 from lbt.errors import ConfigError
 from lbt.techniques import Technique
 
@@ -71,18 +71,19 @@ def test_a_sigkilled_worker_is_restarted_and_the_run_equals_an_uninterrupted_one
 @pytest.mark.slow
 def test_restarts_run_out(tmp_path, capfd):
     """A worker that dies at every attempt ends the job after max_restarts restarts, naming it."""
-    from lbt.dist import WorkerDied
+    from lbt.parallel.launcher import WorkerDied
 
     with pytest.raises(WorkerDied, match="worker rank 0 failed"):
         train(tmp_path / "run", RUN + ["dist.max_restarts=1", *sigkill_at(1, 0)])
     assert capfd.readouterr().err.count("restarting (") == 1
 
 
+@pytest.mark.slow
 def test_a_config_error_in_a_worker_is_not_retried(tmp_path, capfd):
     (tmp_path / "run" / "checkpoint" / "step_4").mkdir(parents=True)
     (tmp_path / "run" / "checkpoint" / "step_4" / "manifest.json").write_text("{}")
     # A fresh start over a checkpoint: the workers refuse it as a config error, once.
-    from lbt.dist import WorkerDied
+    from lbt.parallel.launcher import WorkerDied
 
     with pytest.raises((WorkerDied, ConfigError)):
         train(tmp_path / "run", RUN + ["dist.max_restarts=2"])

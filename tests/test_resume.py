@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
 from conftest import FAST, lbt_cli
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 EPOCHS = 4
 STEPS_PER_EPOCH = 16  # 2048 samples / global batch 128

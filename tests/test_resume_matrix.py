@@ -18,9 +18,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-
 from conftest import train
-from lbt.paths import conf_dir
+
+from lbt.apps.compose import conf_dir
 from lbt.techniques import Technique
 
 # The recipe group, globbed so a new recipe joins the matrix.
@@ -40,7 +40,8 @@ TECHNIQUES = {
     "batch_ramp": (["technique=[batch_ramp]", "technique.batch_ramp.milestones=[1,2]"], 14),
     # Batch-size warmup from the noise scale: a low threshold so the first epoch's end doubles the batch
     # (capped at 128: epochs of 12, 6 and 6 steps); stopped at step 14, in the ramped second epoch.
-    "batch_ramp_auto": (["technique=[batch_ramp]", "technique.batch_ramp.mode=auto", "technique.batch_ramp.threshold=0.01",
+    "batch_ramp_auto": (["technique=[batch_ramp]", "technique.batch_ramp.mode=auto",
+                         "technique.batch_ramp.threshold=0.01",
                          "technique.batch_ramp.max_global_batch=128", "optim=adamw", "schedule.scaling=adam_sqrt",
                          "optim.betas=[0.99,0.999]"], 14),
     "bn_epoch_average": (["technique=[bn_epoch_average]"], STOP_AT),
@@ -205,7 +206,7 @@ def test_first_powersgd_step_after_resume_reduces_as_the_checkpointed_buckets(tm
 
 
 def test_a_checkpoint_of_an_older_format_is_a_one_line_error(tmp_path):
-    from lbt.checkpoint import Checkpointer
+    from lbt.engine.checkpoint import Checkpointer
     from lbt.errors import ConfigError
 
     (tmp_path / "checkpoint").mkdir()

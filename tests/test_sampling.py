@@ -1,12 +1,17 @@
 """The data of a step is defined by the global batch only."""
 
+import os
+import subprocess
+import sys
+
+import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
 from lbt.data.base import InMemoryDataset
-from lbt.config import BatchPlan
 from lbt.data.batches import StepBatches
-from lbt.dist import epoch_seed, shard_indices
+from lbt.data.sampling import epoch_seed, shard_indices
+from lbt.spec.batching import BatchLayout
 
 
 def test_shards_are_exactly_distributed_sampler():
@@ -24,7 +29,16 @@ def test_every_seed_and_epoch_orders_the_data_on_its_own():
               for seed in range(4) for epoch in range(6)}
     assert len(set(orders.values())) == len(orders)
     assert orders[(1, 0)] != orders[(0, 1)] and orders[(2, 3)] != orders[(3, 2)]
-    assert epoch_seed(0, 1) != epoch_seed(1, 0) and epoch_seed(5, 5) == epoch_seed(5, 5)
+    assert epoch_seed(0, 1) != epoch_seed(1, 0)
+
+
+@pytest.mark.slow
+def test_every_process_draws_the_same_shuffle_seed():
+    """Workers are separate processes: the seed must not depend on Python's per-process hash salt."""
+    code = "from lbt.data.sampling import epoch_seed; print(epoch_seed(5, 5), epoch_seed(0, 7))"
+    seeds = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": salt},
+                            capture_output=True, text=True, check=True).stdout for salt in ("1", "2")}
+    assert seeds == {f"{epoch_seed(5, 5)} {epoch_seed(0, 7)}\n"}
 
 
 def step_sets(world_size: int, procs: int, global_batch: int, n: int = 1000) -> list[list[set]]:
@@ -33,8 +47,8 @@ def step_sets(world_size: int, procs: int, global_batch: int, n: int = 1000) -> 
     k = world_size // procs
     sets_per_proc = []
     for rank in range(procs):
-        plan = BatchPlan(world_size, procs, per_worker, global_batch)
-        batches = StepBatches(data, plan, rank, seed=0, device=torch.device("cpu"))
+        layout = BatchLayout(world_size, procs, per_worker, global_batch)
+        batches = StepBatches(data, layout, rank, seed=0, device=torch.device("cpu"))
         steps = []
         for _, labels in batches.epoch(0):
             assert len(labels) == k * per_worker

@@ -1,7 +1,6 @@
 """What a run does that a user would not guess is said up front: warnings at start, honest progress bars."""
 
 import pytest
-
 from conftest import FAST, train
 
 
@@ -44,6 +43,7 @@ def test_the_progress_bar_counts_the_steps_the_run_takes(tmp_path, monkeypatch, 
     assert [b["desc"] for b in bars] == [f"epoch {e + 1}/{len(totals)}" for e in range(len(totals))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("procs", [1, 2])
 def test_train_log_holds_the_epoch_lines_and_the_closing_line(tmp_path, procs):
     """A background or cluster run has a text log: the lines the console shows, timestamped, once each."""

@@ -4,14 +4,14 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
+from conftest import train
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import torch
-
-from conftest import train
-from lbt.config import BatchPlan, make_budget
 from lbt.errors import ConfigError
-from lbt.lr import build_schedule, lr_at
+from lbt.spec.batching import BatchLayout, make_budget
+from lbt.spec.lr import build_schedule, lr_at
+from lbt.spec.run import ScheduleSpec, from_node
 from lbt.techniques.batch_ramp import BatchRamp, ramp_growth
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,8 +67,9 @@ def test_train_lr_curve_is_lr_at(tmp_path, capsys):
     assert "global_batch=128" in printed and "lr: peak 0.2 at sample 512 (step 4)" in printed
     logged = scalars(tmp_path, "train/lr")
     assert [step for step, _ in logged] == list(range(1, 13))
-    plan = BatchPlan(4, 1, 32, 128)
-    schedule = build_schedule(result["config"]["schedule"], 0.05, 128, make_budget([plan] * 3, 512, None))
+    layout = BatchLayout(4, 1, 32, 128)
+    node = from_node(ScheduleSpec, result["config"]["schedule"], "schedule")
+    schedule = build_schedule(node, 0.05, 128, make_budget([layout] * 3, 512, None))
     for step, value in logged:
         seen = (step - 1) * 128  # the LR of a step is set from the samples seen before it
         assert value == pytest.approx(lr_at(seen, schedule), rel=1e-6)
@@ -108,19 +109,21 @@ def test_batch_ramp_growth_at_each_milestone():
     # capped at 4x: the third milestone decays the LR instead
     assert ramp_growth(8, [3, 6, 8], 2, 4) == (4, 1)
     ramp = BatchRamp(milestones=[1, 2], factor=2, max_global_batch=256, grow="world_size")
-    base = BatchPlan(world_size=2, procs=1, per_worker_batch=32, global_batch=64)
-    plans = ramp.plan_epochs([base] * 4, num_train=10_000)
-    assert [p.global_batch for p in plans] == [64, 128, 256, 256]
-    assert [p.world_size for p in plans] == [2, 4, 8, 8] and all(p.per_worker_batch == 32 for p in plans)
-    assert all(p.lr_factor == 1 for p in plans)
+    base = BatchLayout(world_size=2, procs=1, per_worker_batch=32, global_batch=64)
+    layouts = ramp.epoch_layouts([base] * 4, num_train=10_000)
+    assert [p.global_batch for p in layouts] == [64, 128, 256, 256]
+    assert [p.world_size for p in layouts] == [2, 4, 8, 8] and all(p.per_worker_batch == 32 for p in layouts)
+    assert all(p.lr_factor == 1 for p in layouts)
+    assert ramp.epoch_layouts(layouts, 10_000, after_epoch=0) == layouts  # decided before training, not after
 
 
 def test_batch_ramp_caps_at_the_training_set_and_divides_the_lr_instead(capfd):
     ramp = BatchRamp(milestones=[1, 2, 3], factor=2, max_global_batch=8192)
-    plans = ramp.plan_epochs([BatchPlan(2, 1, 64, 128)] * 5, num_train=512)
-    assert [p.global_batch for p in plans] == [128, 256, 512, 512, 512]
-    assert [p.lr_factor for p in plans] == [1, 1, 1, 0.5, 0.5]
-    assert "lbt: note: technique.batch_ramp: the global batch stops growing at the 512 samples" in capfd.readouterr().err
+    layouts = ramp.epoch_layouts([BatchLayout(2, 1, 64, 128)] * 5, num_train=512)
+    assert [p.global_batch for p in layouts] == [128, 256, 512, 512, 512]
+    assert [p.lr_factor for p in layouts] == [1, 1, 1, 0.5, 0.5]
+    note = "lbt: note: technique.batch_ramp: the global batch stops growing at the 512 samples"
+    assert note in capfd.readouterr().err
 
 
 def test_smith2017_ramp_runs_on_a_small_dataset(tmp_path):

@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from lbt.errors import ConfigError
-from lbt.models import CNN1d, MLP, ResNet20
+from lbt.models import MLP, CNN1d, ResNet20
+from lbt.nn import GhostBatchNorm, ghost_batch_norm
 from lbt.techniques.base import Progress
 from lbt.techniques.comm_compression import KINDS, CommCompression, compressed_bytes
-from lbt.nn import GhostBatchNorm, ghost_batch_norm
 from lbt.techniques.ghost_bn import GhostBN
 from lbt.techniques.grad_clip import GradClip, clip_coefficient
 from lbt.techniques.label_smoothing import LabelSmoothing, smooth_labels
@@ -315,8 +315,9 @@ def _comm_hook_worker(rank: int, store_port: int, out_dir: str) -> None:
     """Each kind on a fresh DDP MLP for 3 steps; saves local and allreduced gradients and final parameters."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from lbt.dist import init_process_group
-    from lbt.trainer import register_comm_hook
+    from lbt.engine.step import register_comm_hook
+    from lbt.engine.strategies.base import StepStrategy
+    from lbt.parallel.process_group import init_process_group
 
     torch.set_num_threads(1)
     init_process_group("gloo", rank, 2, 30.0, store_port)
@@ -327,7 +328,7 @@ def _comm_hook_worker(rank: int, store_port: int, out_dir: str) -> None:
         local = copy.deepcopy(model)
         ddp = DistributedDataParallel(model)
         technique = CommCompression(kind) if kind != "none" else None
-        register_comm_hook(ddp, [technique] if technique else [])
+        register_comm_hook(ddp, StepStrategy(), [technique] if technique else [])
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         steps = []
         for step in range(3):  # powersgd: 2 plain allreduces, then compressed ones
@@ -349,7 +350,7 @@ def _comm_hook_worker(rank: int, store_port: int, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_comm_hooks_on_gloo_with_two_processes(tmp_path):
-    from lbt.dist import launch_local
+    from lbt.parallel.launcher import launch_local
 
     launch_local(_comm_hook_worker, (str(tmp_path),), 2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]

@@ -5,50 +5,51 @@ import json
 
 import pytest
 import torch
+from conftest import FAST, final_params, lbt_cli, relative_diff, train
 from torch import nn
 
-from conftest import FAST, final_params, lbt_cli, relative_diff, train
-from lbt.config import auto_tensor_parallel, plan_batches
 from lbt.errors import ConfigError
 from lbt.models.cnn1d import CNN1d
 from lbt.models.mlp import MLP
 from lbt.models.resnet20 import ResNet20
 from lbt.models.transformer1d import SelfAttention, Transformer1d
-from lbt.tensor_parallel import Split, check_splittable, split_plan
+from lbt.parallel.tensor_parallel import Split, check_splittable, dense_splits
+from lbt.spec.batching import auto_tensor_parallel, batch_layout
 
 STEPS = ["data.num_train=1280", "trainer.epochs=1", "optim.lr=0.05"]  # 1280 / 64 = 20 steps
 
 
 def test_mlp_splits_megatron_pairs_and_keeps_an_unpaired_head_whole():
-    assert split_plan(MLP(hidden=32, num_layers=2)) == [Split("1", "colwise", 32), Split("3", "rowwise", 32)]
+    assert dense_splits(MLP(hidden=32, num_layers=2)) == [Split("1", "colwise", 32), Split("3", "rowwise", 32)]
     # four Linears: two pairs, the head is the second pair's rowwise half
-    assert [s.style for s in split_plan(MLP(hidden=32, num_layers=3))] == ["colwise", "rowwise"] * 2
+    assert [s.style for s in dense_splits(MLP(hidden=32, num_layers=3))] == ["colwise", "rowwise"] * 2
 
 
 def test_a_lone_linear_is_split_with_its_output_gathered():
-    assert split_plan(CNN1d(channels=16)) == [Split("11", "gather", 10)]  # conv part replicated
-    assert split_plan(MLP(num_layers=0)) == [Split("1", "gather", 10)]
-    assert split_plan(ResNet20()) == [Split("fc", "gather", 10)]
+    assert dense_splits(CNN1d(channels=16)) == [Split("11", "gather", 10)]  # conv part replicated
+    assert dense_splits(MLP(num_layers=0)) == [Split("1", "gather", 10)]
+    assert dense_splits(ResNet20()) == [Split("fc", "gather", 10)]
 
 
 def test_a_pair_broken_by_a_non_elementwise_module_is_not_split():
     model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8), nn.Linear(8, 4))
-    assert split_plan(model) == [Split("2", "colwise", 8), Split("3", "rowwise", 8)]
-    assert split_plan(nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Dropout(0.1), nn.Linear(8, 4))) == \
+    assert dense_splits(model) == [Split("2", "colwise", 8), Split("3", "rowwise", 8)]
+    assert dense_splits(nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Dropout(0.1), nn.Linear(8, 4))) == \
         [Split("0", "colwise", 8), Split("3", "rowwise", 8)]
 
 
 def test_transformer_blocks_split_attention_by_heads_and_their_mlp():
-    splits = split_plan(Transformer1d(dim=16, depth=2, heads=2, mlp_ratio=2))
+    splits = dense_splits(Transformer1d(dim=16, depth=2, heads=2, mlp_ratio=2))
     assert [(s.name, s.style, s.width, s.unit) for s in splits] == [
         ("blocks.0.attn.qkv", "colwise", 2, "heads"), ("blocks.0.attn.out", "rowwise", 2, "heads"),
         ("blocks.0.mlp.0", "colwise", 32, "features"), ("blocks.0.mlp.3", "rowwise", 32, "features"),
         ("blocks.1.attn.qkv", "colwise", 2, "heads"), ("blocks.1.attn.out", "rowwise", 2, "heads"),
         ("blocks.1.mlp.0", "colwise", 32, "features"), ("blocks.1.mlp.3", "rowwise", 32, "features")]
     # torch's own encoder layer: its MLP splits, its packed attention stays whole
-    assert split_plan(nn.TransformerEncoderLayer(8, 2, 16)) == [Split("linear1", "colwise", 16),
+    assert dense_splits(nn.TransformerEncoderLayer(8, 2, 16)) == [Split("linear1", "colwise", 16),
                                                                  Split("linear2", "rowwise", 16)]
-    with pytest.raises(ConfigError, match="the 2 heads of layer blocks.0.attn.qkv .colwise split. do not divide among 4"):
+    with pytest.raises(ConfigError,
+                       match="the 2 heads of layer blocks.0.attn.qkv .colwise split. do not divide among 4"):
         check_splittable(splits, 4, "Transformer1d")
 
 
@@ -72,21 +73,21 @@ def test_self_attention_is_torchs_multi_head_attention_with_heads_laid_out_one_b
 
 def test_nothing_to_split_or_a_width_t_does_not_divide_is_one_line():
     with pytest.raises(ConfigError, match="no dense layer to split"):
-        check_splittable(split_plan(nn.Sequential(nn.Conv1d(1, 4, 3), nn.Flatten())), 2, "Net")
+        check_splittable(dense_splits(nn.Sequential(nn.Conv1d(1, 4, 3), nn.Flatten())), 2, "Net")
     with pytest.raises(ConfigError, match="width 10 of layer 11 .gather split. is not divisible by 4"):
-        check_splittable(split_plan(CNN1d(channels=16)), 4, "CNN1d")
+        check_splittable(dense_splits(CNN1d(channels=16)), 4, "CNN1d")
 
 
 def test_batch_arithmetic_counts_data_parallel_workers():
-    plan = plan_batches(8, 4, 16, None, tensor_parallel=2)
+    plan = batch_layout(8, 4, 16, None, tensor_parallel=2)
     assert (plan.world_size, plan.procs, plan.gpus, plan.global_batch) == (4, 2, 8, 64)
     assert "world_size=8 GPUs = DP 4 x TP 2 (procs=4: 2 group(s) of 2, each simulating 2 workers)" \
         in plan.describe(6400)
-    assert plan_batches(8, 4, None, 64, tensor_parallel=2).per_worker_batch == 16
+    assert batch_layout(8, 4, None, 64, tensor_parallel=2).per_worker_batch == 16
     with pytest.raises(ConfigError, match="dist.tensor_parallel=4 does not divide dist.procs=2"):
-        plan_batches(4, 2, 16, None, tensor_parallel=4)
+        batch_layout(4, 2, 16, None, tensor_parallel=4)
     with pytest.raises(ConfigError, match="4 data-parallel workers"):
-        plan_batches(8, 4, None, 66, tensor_parallel=2)
+        batch_layout(8, 4, None, 66, tensor_parallel=2)
 
 
 def test_auto_splits_the_gpus_past_the_batch_cap():
@@ -112,9 +113,9 @@ def test_one_group_of_two_equals_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_norms_over_split_layers_count_every_shard(tmp_path):
-    """A transformer whose blocks' attention (by heads) and MLPs are split, trained by LAMB with gradient clipping (each rank clips
-    by the whole gradient's norm: the shards' norms summed over the group with the replicated ones'), and
-    the noise scale measured over 4 simulated workers: the split run equals the unsplit one."""
+    """A transformer whose blocks' attention (by heads) and MLPs are split, trained by LAMB with gradient clipping
+    (each rank clips by the whole gradient's norm: the shards' norms summed over the group with the replicated
+    ones'), and the noise scale measured over 4 simulated workers: the split run equals the unsplit one."""
     common = ["model=transformer1d", "model.dim=16", "model.depth=1", "model.heads=2", "optim=lamb",
               "optim.lr=0.01", "technique=[grad_clip]", "technique.grad_clip.max_norm=0.1", "measure=[gns]",
               *STEPS[:2], "trainer.global_batch=64"]
@@ -149,7 +150,7 @@ def _job(job_dir: str, gpus: int, acc: float, t: int = 1, seed: int = 0) -> dict
 def test_report_scores_the_hybrid_past_the_cap_from_runs_and_from_exactness(tmp_path):
     """Cap 256 (4 workers of 64): 8 GPUs = 4 x TP 2 was run (seed 0), 16 GPUs = 4 x TP 4 follows from the
     4-worker data-parallel runs (seeds 0, 1); the data-parallel runs at 8 and 16 GPUs lost accuracy."""
-    from lbt.report import write_report
+    from lbt.apps.report import write_report
 
     jobs = [_job("0", 1, 0.99), _job("1", 4, 0.98), _job("2", 4, 0.96, seed=1), _job("3", 8, 0.90),
             _job("4", 16, 0.80), _job("5", 8, 0.98, t=2)]
@@ -160,7 +161,8 @@ def test_report_scores_the_hybrid_past_the_cap_from_runs_and_from_exactness(tmp_
     summary = write_report(tmp_path, tolerance=0.05, hybrid_cap=256)
     points = {p["gpus"]: p for p in summary["hybrid"]}
     assert sorted(points) == [8, 16]
-    assert (points[8]["tensor_parallel"], points[8]["source"]) == (2, "run (seed 0: 98.00%, its data-parallel run 98.00%)")
+    assert (points[8]["tensor_parallel"], points[8]["source"]) == \
+        (2, "run (seed 0: 98.00%, its data-parallel run 98.00%)")
     assert (points[16]["tensor_parallel"], points[16]["source"]) == (4, "exactness: the 4-worker data-parallel run")
     # the point at batch 256 is one experiment: the hybrid run repeats seed 0's data-parallel run, not a third seed
     assert points[16]["acc"] == pytest.approx((0.98 + 0.96) / 2) and points[16]["seeds"] == 2
@@ -184,7 +186,7 @@ def test_a_sweep_job_under_the_joblib_launcher_starts_its_processes(tmp_path):
 def test_report_marks_a_split_the_model_cannot_take(tmp_path):
     """cnn1d's only split layer is its 10-class head: T=2 splits it, T=4 cannot (the run would be refused),
     so the 16-GPU point at cap 256 is marked impossible and given no score."""
-    from lbt.report import write_report
+    from lbt.apps.report import write_report
 
     config = {"model": {"_target_": "lbt.models.CNN1d", "channels": 16},
               "data": {"_target_": "lbt.data.build_synthetic", "num_train": 64, "num_test": 16}}

@@ -5,12 +5,12 @@ import math
 
 import pytest
 import torch
-
 from conftest import compose_config, final_params, relative_diff
+
 from lbt.data.base import DataShape
 from lbt.data.text import build_text
+from lbt.engine import make_spec, run
 from lbt.errors import ConfigError
-from lbt.train import run
 
 # A small text, made here: a few sentences in a fixed pseudo-random order (2,000-odd characters, 30 distinct).
 SENTENCES = ["the cat sat on the mat. ", "a dog ran far away! ", "zebras are quick, jumpy? ",
@@ -46,10 +46,12 @@ def test_vocabulary_windows_and_splits(text_file):
     shape = build_text(str(text_file), context=16, test_fraction=0.1, val_fraction=0.1, shape_only=True)
     assert shape == DataShape((16,), len(vocab), len(data.train), token="char")
     # lbt plan profiles the character model on token ids of that shape.
-    from lbt.plan import profile_compute
+    from lbt.apps.plan.compute import profile_compute
+    from lbt.spec.targets import target_of
 
-    model = compose_config(["data=text", "data.path=x"])[0].model
-    compute = profile_compute({**model, "dim": 16, "depth": 1}, shape, per_worker_batch=4, repeats=1, warmup=0)
+    model = compose_config(["data=text", "data.path=x"])[0]["model"]
+    target = target_of({**model, "dim": 16, "depth": 1}, "model")
+    compute = profile_compute(target, shape, per_worker_batch=4, repeats=1, warmup=0)
     assert compute.num_params > 0
 
 
@@ -72,8 +74,9 @@ def test_unusable_files_are_one_line_errors(tmp_path, content, expected):
         build_text(str(tmp_path), context=16)
 
 
+@pytest.mark.slow
 def test_a_missing_file_on_the_command_line(tmp_path, capfd, monkeypatch):
-    from lbt.cli import main
+    from lbt.apps.cli import main
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as stop:
@@ -89,8 +92,8 @@ TINY = ["data.context=16", "optim=adamw", "optim.lr=0.003", "trainer.progress=fa
 
 
 def text_run(run_dir, text_file, overrides: list[str], model: list[str] = SMALL_MODEL) -> dict:
-    cfg, recipe = compose_config(["data=text", f"data.path={text_file}", *TINY, *model, *overrides])
-    return run(cfg, run_dir, recipe=recipe)
+    config, recipe = compose_config(["data=text", f"data.path={text_file}", *TINY, *model, *overrides])
+    return run(make_spec(config, recipe), run_dir).to_json()
 
 
 def test_train_a_character_model_in_process(tmp_path, text_file, capsys):
@@ -111,6 +114,7 @@ def test_a_classification_model_is_told_to_pick_char_transformer(tmp_path, text_
         text_run(tmp_path / "run", text_file, [], model=["model=mlp"])
 
 
+@pytest.mark.slow
 def test_two_real_workers_equal_two_simulated(tmp_path, text_file):
     """No BatchNorm: W=2 on 2 processes and W=2 simulated on 1 take the same steps."""
     common = ["dist.world_size=2", "trainer.per_worker_batch=8", "trainer.max_steps=4"]

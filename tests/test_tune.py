@@ -1,4 +1,4 @@
-"""`lbt tune`: the same tuning budget for every (recipe, global batch) cell, chosen on val (lbt/tune.py)."""
+"""`lbt tune`: the same tuning budget for every (recipe, global batch) cell, chosen on val (lbt/apps/tune/)."""
 
 import json
 import re
@@ -7,14 +7,17 @@ from pathlib import Path
 
 import optuna
 import pytest
-from omegaconf import OmegaConf
+from conftest import compose_config, lbt_cli
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import compose_config, lbt_cli
-from lbt import cli
-from lbt.config import BatchPlan
+from lbt.apps import cli
+from lbt.apps.tune.command import tune
+from lbt.apps.tune.grid import check_space
+from lbt.apps.tune.report import claimed_exponent, fit_exponent
+from lbt.apps.tune.trials import PruneOnVal
 from lbt.errors import ConfigError
-from lbt.tune import PruneOnVal, check_space, claimed_exponent, fit_exponent, tune
+from lbt.spec.batching import BatchLayout
+from lbt.spec.result import EvalPoint, read_result
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
@@ -30,6 +33,7 @@ def trials_in(folder: Path) -> dict[str, list[tuple[int, str]]]:
             for name in optuna.get_all_study_names(storage)}
 
 
+@pytest.mark.slow
 def test_tune_a_tiny_grid_then_the_same_command_runs_nothing_new(tmp_path):
     """The acceptance case: 2 recipes x 2 batches x 3 trials, finals with 2 seeds; then the same command."""
     folder = tmp_path / "tune"
@@ -52,12 +56,14 @@ def test_tune_a_tiny_grid_then_the_same_command_runs_nothing_new(tmp_path):
     for cell in summary["cells"]:
         assert cell["trials"]["counted"] == 3 and len(cell["tuned"]["val_acc"]) == 2
         # The tuned finals train the best trial's values, with fresh seeds, scored once on test.
-        tuned = json.loads((Path(cell["tuned"]["folders"][0]) / "result.json").read_text())
-        assert tuned["config"]["optim"]["lr"] == pytest.approx(cell["best"]["params"]["optim.lr"])
-        assert tuned["eval_split"] == "val" and tuned["test_acc"] is not None and tuned["seed"] == 1
-        default = json.loads((Path(cell["default"]["folders"][1]) / "result.json").read_text())
-        recipe_lr = compose_config([f"recipe={cell['recipe']}"])[0].optim.lr  # the recipe's own default
-        assert default["config"]["optim"]["lr"] == pytest.approx(recipe_lr) and default["seed"] == 2
+        tuned = read_result(cell["tuned"]["folders"][0])
+        assert tuned.config["optim"]["lr"] == pytest.approx(cell["best"]["params"]["optim.lr"])
+        assert tuned.eval_split == "val" and tuned.test_acc is not None and tuned.seed == 1
+        assert cell["tuned"]["val_acc"][0] == pytest.approx(tuned.final_acc)
+        assert "+tune.final=tuned" in tuned.overrides and not any("optim.lr" in o for o in tuned.overrides)
+        default = read_result(cell["default"]["folders"][1])
+        recipe_lr = compose_config([f"recipe={cell['recipe']}"])[0]["optim"]["lr"]  # the recipe's own default
+        assert default.config["optim"]["lr"] == pytest.approx(recipe_lr) and default.seed == 2
     fits = {fit["series"]: fit for fit in summary["lr_fits"]}
     assert fits["baseline"]["claimed"] == [0.0] and fits["goyal2017"]["claimed"] == [1.0]
     assert all(fit["exponent"] is not None for fit in fits.values())
@@ -67,7 +73,7 @@ def test_tune_a_tiny_grid_then_the_same_command_runs_nothing_new(tmp_path):
     assert (folder / "best_lr_vs_batch.png").stat().st_size > 0
 
     # `lbt report` reads the final runs: per recipe a tuned and an untuned curve, the seeds averaged.
-    from lbt.report import write_report
+    from lbt.apps.report import write_report
 
     assert len(write_report(folder / "final", None)["jobs"]) == 16
     finals = (folder / "final" / "report.md").read_text()
@@ -151,17 +157,21 @@ def test_pruning_waits_for_its_share_of_the_run_and_spares_the_last_evaluation()
         def should_prune(self):
             return True
 
+    def point(samples: int, acc: float) -> EvalPoint:
+        return EvalPoint(step=samples // 100, samples_seen=samples, global_batch=100, acc=acc, loss=1 - acc)
+
     hook = PruneOnVal(Trial(), prune_after=0.5)
-    assert hook.plan_epochs([BatchPlan(1, 1, 100, 100)] * 2, 1050) == [BatchPlan(1, 1, 100, 100)] * 2
-    hook.after_eval(5, 500, 0.3)  # 500 of 2,000 samples: too early to judge
-    hook.after_eval(20, 2000, 0.6)  # the end: the run is done, its value counts
-    with pytest.raises(optuna.TrialPruned):
-        hook.after_eval(10, 1000, 0.4)
-    assert hook.trial.reports == [(500, 0.3), (2000, 0.6), (1000, 0.4)] and hook.pruned_at == 1000
+    layouts = [BatchLayout(1, 1, 100, 100)] * 2
+    assert hook.epoch_layouts(layouts, 1050) == layouts
+    hook.after_eval(point(500, 0.3))  # 500 of 2,000 samples: too early to judge
+    hook.after_eval(point(2000, 0.6))  # the end: the run is done, its value counts
+    with pytest.raises(optuna.TrialPruned, match="val acc 0.4000 at 1,000 samples"):
+        hook.after_eval(point(1000, 0.4))
+    assert hook.trial.reports == [(500, 0.3), (2000, 0.6), (1000, 0.4)]
     unarmed = PruneOnVal(Trial(), prune_after=None)  # the cell has too few finished trials to compare with
-    unarmed.plan_epochs([BatchPlan(1, 1, 100, 100)] * 2, 1000)
-    unarmed.after_eval(10, 1000, 0.4)
-    assert unarmed.trial.reports == [(1000, 0.4)] and unarmed.pruned_at is None
+    unarmed.epoch_layouts(layouts, 1000)
+    unarmed.after_eval(point(1000, 0.4))  # would raise if it asked the pruner
+    assert unarmed.trial.reports == [(1000, 0.4)]
 
 
 def test_refuses_data_without_a_validation_split(tmp_path, capsys):
@@ -199,8 +209,7 @@ def test_a_search_space_mistake_is_one_line(tmp_path, capsys):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_declares_a_space_around_its_defaults(recipe):
-    cfg, _ = compose_config([f"recipe={recipe}"])
-    config = OmegaConf.to_container(cfg, resolve=True)
+    config, _ = compose_config([f"recipe={recipe}"])
     space = check_space(config["tune"]["space"], config, recipe)
     assert "optim.lr" in space  # every recipe tunes its LR, the baseline included (Shallue et al. 2019)
     for key, spec in space.items():

@@ -71,6 +71,11 @@ class DataSplits:
     # None: one label per sample (classification).
     token: str | None = None
 
+    @property
+    def num_train(self) -> int:
+        """Training samples per epoch (every lbt dataset has a length; torch's Dataset type does not say so)."""
+        return len(self.train)  # type: ignore[arg-type]
+
     def to(self, device: torch.device) -> DataSplits:
         """The in-memory splits moved to `device` once, so batches are gathered there; others stay as they are."""
         def moved(dataset: Dataset | None) -> Dataset | None:

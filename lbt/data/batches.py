@@ -1,6 +1,6 @@
 """The data of each optimizer step, split into the batches of the virtual workers.
 
-The order is defined by the global batch (see `lbt.dist.shard_indices`), so
+The order is defined by the global batch (see `lbt.data.sampling.shard_indices`), so
 every (world_size, procs) layout with the same global batch trains on the same
 samples at the same step.
 """
@@ -13,9 +13,9 @@ from typing import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lbt.config import BatchPlan
 from lbt.data.base import InMemoryDataset
-from lbt.dist import shard_indices
+from lbt.data.sampling import shard_indices
+from lbt.spec.batching import BatchLayout
 
 
 def loader_workers(requested: int | None, local_procs: int) -> int:
@@ -39,19 +39,19 @@ class StepBatches:
     on CUDA it pins host memory so the copy to the device is asynchronous.
     """
 
-    def __init__(self, dataset: Dataset, plan: BatchPlan, rank: int, seed: int, device: torch.device,
+    def __init__(self, dataset: Dataset, layout: BatchLayout, rank: int, seed: int, device: torch.device,
                  num_workers: int = 0, memory_format: torch.memory_format = torch.contiguous_format):
         self.dataset = dataset
-        self.world_size = plan.world_size
-        self.per_worker_batch = plan.per_worker_batch
-        self.workers_per_proc = plan.workers_per_proc
-        first_worker = rank * plan.workers_per_proc
-        self.local_workers = slice(first_worker, first_worker + plan.workers_per_proc)
+        self.world_size = layout.world_size
+        self.per_worker_batch = layout.per_worker_batch
+        self.workers_per_proc = layout.workers_per_proc
+        first_worker = rank * layout.workers_per_proc
+        self.local_workers = slice(first_worker, first_worker + layout.workers_per_proc)
         self.seed = seed
         self.device = device
         self.num_workers = num_workers
         self.memory_format = memory_format
-        self.steps_per_epoch = plan.steps_per_epoch(len(dataset))
+        self.steps_per_epoch = layout.steps_per_epoch(len(dataset))
         self.steps: list[list[int]] = []  # the DataLoader's batch sampler: the steps being loaded
         self._loader: DataLoader | None = None
 

@@ -8,13 +8,12 @@ does for its own data; TensorDatasets become in-memory datasets (one index_selec
 
 from __future__ import annotations
 
-import importlib
-
 from torch.utils.data import Dataset, TensorDataset
 
 from lbt.data.base import DataShape, DataSplits, InMemoryDataset, split_validation
 from lbt.errors import ConfigError
-from lbt.validate import integer
+from lbt.spec.targets import locate
+from lbt.spec.validate import integer
 
 
 def build_custom(
@@ -51,11 +50,3 @@ def in_memory(dataset):
         return InMemoryDataset(*dataset.tensors)
     return dataset
 
-
-def locate(key: str, dotted: str):
-    """package.module.name -> the object, or one line saying why not."""
-    module, _, name = str(dotted).rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as error:
-        raise ConfigError(f"{key}={dotted}: cannot import it ({error}); is its package on PYTHONPATH?") from None

@@ -38,10 +38,12 @@ def build_mnist1d(
     if shape_only:  # mnist1d's make_dataset keeps int(train_split * N) samples for training
         return DataShape((40,), 10, train_size(int(num_samples * train_split), val_fraction))
     overrides = dict(generator_overrides)
-    path = _cache_path(data_dir, num_samples=int(num_samples), train_split=float(train_split), seed=int(seed), **overrides)
+    path = _cache_path(data_dir, num_samples=int(num_samples), train_split=float(train_split), seed=int(seed),
+                       **overrides)
     if not path.exists():
         if progress:
-            print(f"lbt: generating MNIST-1D ({num_samples} samples) into {path}, once ...", file=sys.stderr, flush=True)
+            print(f"lbt: generating MNIST-1D ({num_samples} samples) into {path}, once ...", file=sys.stderr,
+                  flush=True)
         arrays = _generate(num_samples, train_split, seed, overrides)
         path.parent.mkdir(parents=True, exist_ok=True)
         # Several processes (the ranks of one job) may generate at once: each publishes a whole file.

@@ -8,7 +8,7 @@ import torch
 
 from lbt.data.base import DataShape, DataSplits, InMemoryDataset, split_validation, train_size
 from lbt.errors import ConfigError
-from lbt.validate import integer
+from lbt.spec.validate import integer
 
 # A dataset for tests and quick checks: bigger requests are mistakes.
 MAX_SAMPLES = 1_000_000

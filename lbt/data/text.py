@@ -18,7 +18,7 @@ import torch
 
 from lbt.data.base import DataShape, DataSplits, InMemoryDataset, split_validation, train_size
 from lbt.errors import ConfigError
-from lbt.validate import integer
+from lbt.spec.validate import integer
 
 
 def build_text(

@@ -1,4 +1,6 @@
-"""train.log: the run's text log in its folder, for runs nobody watches (background, cluster jobs).
+"""What a run says: `say` (console and train.log) and `note` (rank 0's remarks).
+
+train.log: the run's text log in its folder, for runs nobody watches (background, cluster jobs).
 
 What a run says on the console (its resolved config, the start line, warnings and notes, the
 epoch lines and the closing line) also goes, timestamped, to `<run_dir>/train.log` through the
@@ -12,6 +14,8 @@ import logging
 import sys
 from contextlib import contextmanager
 from pathlib import Path
+
+import torch.distributed as dist
 
 LOG = logging.getLogger("lbt.run")
 LOG.setLevel(logging.INFO)
@@ -39,3 +43,14 @@ def say(line: str, stderr: bool = False) -> None:
     """Print a line (stdout, or stderr for warnings and notes) and write it to the run's train.log."""
     print(line, file=sys.stderr if stderr else sys.stdout, flush=True)
     LOG.info(line)
+
+
+def say_once(line: str, stderr: bool = False) -> None:
+    """`say`, from rank 0 only: every rank of a run reaches the same conclusions, one of them says so."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        say(line, stderr)
+
+
+def note(message: str) -> None:
+    """A `lbt: note:` line on stderr, from rank 0 only."""
+    say_once(f"lbt: note: {message}", stderr=True)

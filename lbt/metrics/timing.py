@@ -26,8 +26,8 @@ class StepTimer:
     backward could not hide.
     """
 
-    def __init__(self, device: torch.device = torch.device("cpu")):
-        self.cuda = device.type == "cuda"
+    def __init__(self, device: torch.device | None = None):
+        self.cuda = device is not None and device.type == "cuda"
         self.window: dict[str, float] = defaultdict(float)
         self.total: dict[str, float] = defaultdict(float)
         self.window_steps = self.total_steps = 0

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from lbt.dist import DistContext, all_reduce_sum
+from lbt.parallel.process_group import DistContext, all_reduce_sum
 
 
 class WindowStats(NamedTuple):

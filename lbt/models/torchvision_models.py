@@ -30,5 +30,6 @@ def torchvision_model(name: str, input_shape=(3, 224, 224), num_classes: int = 1
     if "weights" in kwargs:
         raise ConfigError("model.weights: lbt trains from scratch and never downloads weights; remove model.weights")
     if len(input_shape) != 3 or int(input_shape[0]) != 3:
-        raise ConfigError(f"model.name={name!r}: torchvision models take RGB images (3, H, W), the data gives {tuple(input_shape)}")
+        raise ConfigError(f"model.name={name!r}: torchvision models take RGB images (3, H, W), the data gives "
+                          f"{tuple(input_shape)}")
     return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **kwargs)

@@ -6,7 +6,7 @@ workers equal one worker of the global batch (the AdamW world's models are Layer
 The attention is written out (not torch's nn.MultiheadAttention, whose packed q/k/v projection
 puts all queries before all keys) so that tensor parallelism can split it by heads, Megatron-style:
 `qkv` lays out its outputs head by head, so 1/T of its rows is whole heads with their queries, keys
-and values, and `out` takes them back (lbt/tensor_parallel.py splits the pair colwise, rowwise).
+and values, and `out` takes them back (lbt/parallel/tensor_parallel.py splits the pair colwise, rowwise).
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ class SelfAttention(nn.Module):
     `qkv` maps dim -> heads x (query, key, value) x head_dim, in that order; `forward` reads the
     number of heads from its input, so a rank holding H/T heads' rows computes those heads only.
     """
+
+    # Tensor parallelism splits (qkv, out) as a colwise/rowwise pair of whole heads (lbt/parallel/tensor_parallel.py).
+    split_by_heads = ("qkv", "out")
 
     def __init__(self, dim: int, heads: int, dropout: float = 0.0):
         super().__init__()

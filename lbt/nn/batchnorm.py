@@ -2,12 +2,12 @@
 
 Hoffer, Hubara, Soudry 2017, "Train longer, generalize better", sec. 4. Used by
 the technique ghost_bn (chunks smaller than a worker's batch) and by fused
-simulation (lbt/fused.py: one chunk per simulated worker).
+simulation (lbt/engine/passes.py: one chunk per simulated worker).
 
 Running statistics move once per forward, by the mean of the chunks'
 statistics. BN's update is linear, so that equals averaging one update per
 chunk, the way lbt averages the running stats of its workers
-(`lbt.dist.average_buffers`, `BufferMean`). Evaluation uses the running stats.
+(`lbt.parallel.process_group.average_buffers`, `BufferMean`). Evaluation uses the running stats.
 """
 
 from __future__ import annotations

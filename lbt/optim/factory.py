@@ -7,14 +7,13 @@ no weight decay and no trust ratio, so `optim=sgd|lars|lamb` all read
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 from torch import nn
 
 from lbt.errors import ConfigError
 from lbt.optim.param_groups import param_groups
-from lbt.validate import number
+from lbt.spec.targets import locate
+from lbt.spec.validate import number
 
 
 def create_optimizer(model: nn.Module, optimizer_class: str | type, lr: float, weight_decay: float = 0.0,
@@ -24,15 +23,11 @@ def create_optimizer(model: nn.Module, optimizer_class: str | type, lr: float, w
     With `no_bn_weight_decay`, bias and normalization parameters get weight
     decay 0 and `exclude_from_trust` (LARS and LAMB give them a trust ratio of
     1); the others get `weight_decay`. `lr` is the base LR, which the trainer
-    replaces at every step by the schedule's (lbt/lr.py).
+    replaces at every step by the schedule's (lbt/spec/lr.py).
     """
     number("optim.lr", lr, low=0, low_open=True)
     if isinstance(optimizer_class, str):
-        module, _, name = optimizer_class.rpartition(".")
-        try:
-            optimizer_class = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError, ValueError):
-            raise ConfigError(f"optim.optimizer_class: cannot import {optimizer_class!r}") from None
+        optimizer_class = locate("optim.optimizer_class", optimizer_class)
     groups = param_groups(model, weight_decay, exclude_bias_and_norm=no_bn_weight_decay)
     if options.get("fused") == "auto":
         options["fused"] = _fused_kernel_for(optimizer_class, model)
@@ -44,8 +39,8 @@ def create_optimizer(model: nn.Module, optimizer_class: str | type, lr: float, w
 
 def _fused_kernel_for(optimizer_class: type, model: nn.Module) -> bool | None:
     """`fused=auto`: True where torch has a fused kernel for the optimizer on the parameters' device
-    (AdamW on CPU and CUDA in torch 2.x: one kernel for all tensors, 4.5x faster per step than the
-    per-tensor loop for transformer1d on 2 CPU cores); None (torch's own default) elsewhere."""
+    (AdamW on CPU and CUDA: one kernel for all tensors instead of a loop over them); None (torch's own
+    default) elsewhere."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         return None

@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lbt.optim.param_groups import EXCLUDE_FROM_TRUST
-from lbt.tensor_parallel import whole
+from lbt.parallel.tensor_parallel import whole
 
 
 def lamb_trust_ratio(

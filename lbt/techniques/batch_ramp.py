@@ -13,13 +13,12 @@ import math
 import torch
 import torch.distributed as dist
 
-from lbt.config import BatchPlan
-from lbt.dist import note
 from lbt.errors import ConfigError
-from lbt.metrics.text_log import say
+from lbt.metrics.text_log import note, say_once
+from lbt.spec.batching import BatchLayout
+from lbt.spec.validate import integer, number, one_of
 from lbt.techniques.base import Technique
 from lbt.techniques.gns import GradientNoiseScale
-from lbt.validate import integer, number, one_of
 
 MODES = ("milestones", "auto")
 
@@ -73,10 +72,13 @@ class BatchRamp(Technique):
             integer("technique.batch_ramp.max_global_batch", max_global_batch)
         self.milestones = sorted(number("technique.batch_ramp.milestones", m, low=0) for m in milestones)
         self.max_global_batch = max_global_batch
-        self.cap: int | None = None  # the largest global batch the ramp reaches, once planned
+        self.cap: int | None = None  # the largest global batch the ramp reaches, once laid out
 
-    def plan_epochs(self, plans: list[BatchPlan], num_train: int) -> list[BatchPlan]:
-        start = plans[0].global_batch
+    def epoch_layouts(self, layouts: list[BatchLayout], num_train: int, after_epoch: int | None = None,
+                      samples_seen: int = 0) -> list[BatchLayout]:
+        if after_epoch is not None:  # decided before training
+            return layouts
+        start = layouts[0].global_batch
         cap = self.max_global_batch or start * self.factor ** len(self.milestones)
         if cap > num_train:
             note(f"technique.batch_ramp: the global batch stops growing at the {num_train:,} samples of the "
@@ -84,9 +86,9 @@ class BatchRamp(Technique):
             cap = num_train
         max_growth = max(1, cap // start)
         grown = []
-        for epoch, plan in enumerate(plans):
+        for epoch, layout in enumerate(layouts):
             growth, divisions = ramp_growth(epoch, self.milestones, self.factor, max_growth)
-            grown.append(plan.grown(growth, self.grow, plan.lr_factor / self.factor**divisions))
+            grown.append(layout.grown(growth, self.grow, layout.lr_factor / self.factor**divisions))
         self.cap = max(p.global_batch for p in grown)
         return grown
 
@@ -120,7 +122,7 @@ class AutoBatchRamp(GradientNoiseScale):
     Unlike the milestone ramp, this does not replace LR decay: the LR (and Adam's betas
     under adam_sqrt) follow the configured scaling rule at the batch reached. Decisions are
     made at epoch ends because a batch layout lives for an epoch in lbt (lbt/data/batches.py);
-    they are kept in checkpoints with the run's batch plans, so a resumed run decides nothing twice.
+    they are kept in checkpoints with the run's batch layouts, so a resumed run decides nothing twice.
     """
 
     name = "batch_ramp"
@@ -138,8 +140,8 @@ class AutoBatchRamp(GradientNoiseScale):
         self.threshold = number("technique.batch_ramp.threshold", threshold, low=0, low_open=True)
         self.changes: list[list[float]] = []  # [samples seen, epoch, new global batch, B_simple] per decision
 
-    def check_plan(self, plan: BatchPlan) -> None:
-        if plan.world_size == 1:
+    def check_layout(self, layout: BatchLayout) -> None:
+        if layout.world_size == 1:
             raise ConfigError("technique.batch_ramp.mode=auto measures the noise scale by comparing one worker's "
                               "gradient with the global batch's: give dist.world_size >= 2 (simulated workers are "
                               "enough)")
@@ -150,22 +152,22 @@ class AutoBatchRamp(GradientNoiseScale):
         dist.broadcast(worker_sq, src=0)
         return worker_sq
 
-    def replan(self, epoch: int, samples_seen: int, plans: list[BatchPlan], num_train: int) -> list[BatchPlan]:
-        if epoch + 1 >= len(plans):
-            return plans
-        current = plans[epoch + 1]
+    def epoch_layouts(self, layouts: list[BatchLayout], num_train: int, after_epoch: int | None = None,
+                      samples_seen: int = 0) -> list[BatchLayout]:
+        if after_epoch is None or after_epoch + 1 >= len(layouts):
+            return layouts
+        epoch, current = after_epoch, layouts[after_epoch + 1]
         cap = min(self.max_global_batch or num_train, num_train)
         b_simple = self.estimator.b_simple
         target = auto_ramp_batch(current.global_batch, b_simple, self.threshold, self.factor, cap)
         if target == current.global_batch:
-            return plans
+            return layouts
         grown = current.grown(target // current.global_batch, self.grow)
         self.changes.append([samples_seen, epoch + 1, grown.global_batch, b_simple])
-        if not dist.is_initialized() or dist.get_rank() == 0:  # every rank decides the same; one says it
-            say(f"batch_ramp: B_simple={b_simple:,.0f} > {self.threshold:g} x {current.global_batch:,}: global batch "
-                f"{current.global_batch:,} -> {grown.global_batch:,} from epoch {epoch + 2} "
-                f"(world_size={grown.world_size}, per_worker_batch={grown.per_worker_batch})")
-        return plans[: epoch + 1] + [grown] * (len(plans) - epoch - 1)
+        say_once(f"batch_ramp: B_simple={b_simple:,.0f} > {self.threshold:g} x {current.global_batch:,}: global batch "
+                 f"{current.global_batch:,} -> {grown.global_batch:,} from epoch {epoch + 2} "
+                 f"(world_size={grown.world_size}, per_worker_batch={grown.per_worker_batch})")
+        return layouts[: epoch + 1] + [grown] * (len(layouts) - epoch - 1)
 
     def metrics(self) -> dict[str, float]:
         # Its own names, so measure=[gns] beside it does not log into the same tags.

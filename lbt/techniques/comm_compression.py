@@ -9,24 +9,20 @@ Real workers (one per process) compress through DDP's hook. Simulated workers
 of one process compress as their GPUs would: each worker's gradient is cast to
 the wire's 16-bit type and the sum taken in that type (`SimulatedAllreduce`),
 so a simulated run agrees with a real one within 16-bit rounding. What cannot
-be simulated is refused in one line (`check_plan`): PowerSGD across simulated
+be simulated is refused in one line (`check_layout`): PowerSGD across simulated
 workers (its per-worker error feedback and warm start), and simulated workers
 in several processes. With one worker in all there is no allreduce to compress.
 
-gloo on CPU (torch 2.14.1, 2 processes, DDP on a small MLP, 3 steps,
-tests/test_techniques_model.py pins it): fp16, bf16 and powersgd all work;
-fp16/bf16 give the fp32 mean rounded to 16 bits. (torch's
-batched_powerSGD_hook fails there with an AssertionError; lbt does not offer it.)
-powersgd on gloo works only while DDP has one gradient bucket (under ~1 MB of
-gradients): with several, the ranks' collectives mismatch ("Received data size
-doesn't match expected size") or hang, in plain torch DDP too.
+On gloo (CPU), fp16, bf16 and powersgd all work (tests/test_techniques_model.py); powersgd only while
+DDP has one gradient bucket (under ~1 MB of gradients): with several, gloo's collectives mismatch or
+hang, in plain torch DDP too. torch's batched_powerSGD_hook fails on gloo; lbt does not offer it.
 
 PowerSGD keeps state between steps: each rank's error feedback (what its
 compressed gradients left out, its own), the warm-start P and Q, the step count
 and the RNG drawing fresh Qs, all per DDP gradient bucket. Checkpoints keep it
 in every rank's own file, with each bucket's parameters. A fresh DDP wrapper
 reduces all gradients as one bucket in its first step and rebuilds its buckets
-in backward order afterwards (torch 2.14, find_unused_parameters=False), so the
+in backward order afterwards (find_unused_parameters=False), so the
 first step of a resumed run reduces the gradients through stand-in buckets
 laid out as the checkpointed ones; later steps already are.
 """
@@ -40,12 +36,12 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-from lbt.checkpoint import numpy_rng_state, numpy_rng_tuple
-from lbt.config import BatchPlan
-from lbt.dist import note
 from lbt.errors import ConfigError
+from lbt.metrics.text_log import note
+from lbt.rng import numpy_rng_state, numpy_rng_tuple
+from lbt.spec.batching import BatchLayout
+from lbt.spec.validate import integer, one_of
 from lbt.techniques.base import CommHook, Technique
-from lbt.validate import integer, one_of
 
 KINDS = ("fp16", "bf16", "powersgd")
 FP32_BYTES = 4
@@ -121,15 +117,15 @@ class CommCompression(Technique):
         self.layouts: dict[int, list[int]] = {}  # DDP bucket index -> its parameters' indices, in order
         self.resumed_layouts: dict[int, list[int]] | None = None  # the checkpoint's, until DDP's buckets match
 
-    def check_plan(self, plan: BatchPlan) -> None:
+    def check_layout(self, layout: BatchLayout) -> None:
         key = f"technique.comm_compression.kind={self.kind}"
-        if plan.world_size == 1:
+        if layout.world_size == 1:
             note(f"{key}: one worker in all, so there is no allreduce to compress")
-        elif plan.workers_per_proc > 1 and self.kind == "powersgd":
+        elif layout.workers_per_proc > 1 and self.kind == "powersgd":
             raise ConfigError(f"{key}: PowerSGD's per-worker error feedback is not simulated across the "
-                              f"{plan.workers_per_proc} simulated workers of a process; run one process per "
+                              f"{layout.workers_per_proc} simulated workers of a process; run one process per "
                               "worker (dist.procs=dist.world_size) or use fp16/bf16")
-        elif plan.workers_per_proc > 1 and plan.procs > 1:
+        elif layout.workers_per_proc > 1 and layout.procs > 1:
             raise ConfigError(f"{key}: compression is simulated with all workers in one process (dist.procs=1) "
                               "or run for real with one process per worker (dist.procs=dist.world_size)")
 

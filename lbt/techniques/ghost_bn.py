@@ -15,8 +15,8 @@ from __future__ import annotations
 from torch import nn
 
 from lbt.nn import GhostBatchNorm, replace_batchnorms
+from lbt.spec.validate import integer
 from lbt.techniques.base import Technique
-from lbt.validate import integer
 
 
 class GhostBN(Technique):

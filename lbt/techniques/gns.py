@@ -19,11 +19,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lbt.config import BatchPlan
-from lbt.dist import note
+from lbt.metrics.text_log import note
+from lbt.parallel.tensor_parallel import whole
+from lbt.spec.batching import BatchLayout
+from lbt.spec.result import EvalPoint
+from lbt.spec.validate import integer, number
 from lbt.techniques.base import CommHook, Progress, Technique
-from lbt.tensor_parallel import whole
-from lbt.validate import integer, number
 
 
 def finite_population_factor(batch: float, population: float | None) -> float:
@@ -78,7 +79,7 @@ def grad_sq_norm(model: nn.Module) -> torch.Tensor:
 # `every: auto` keeps the measurement's extra pass near this share of a step's compute.
 AUTO_EVERY_COST = 0.03
 # A pass of one worker's b samples costs about this many times b/(k b) of a fused k-worker pass:
-# small passes use the hardware worse (measured: bench/gns_cost.py, cnn1d at b=64 on 2 CPU cores).
+# small passes use the hardware worse (bench/README.md, "Cost of measure=[gns]").
 SMALL_PASS_PENALTY = 1.5
 
 
@@ -103,12 +104,10 @@ class GradientNoiseScale(Technique):
     world_size >= 2; with one worker there is nothing to compare, and the
     technique records nothing. Order 80: before gradient clipping.
 
-    The extra pass of the first way costs about 1/k of a step of k fused workers (1.5/k measured): with
-    `every: auto` it runs every n-th step only (`measure_every`). The EMA keeps its decay per
-    measurement, so it averages as many measurements as before (1 / (1 - ema_decay)) over n times as
-    many steps. Decaying per step instead (ema_decay^n per measurement) leaves n times fewer
-    measurements in the average: B_simple's denominator |G|^2 then falls below zero more often,
-    those points are lost, and the late-training median came out 1.4-7x lower in 3 seeds (bench/gns_cost.py).
+    The extra pass of the first way costs about 1/k of a step of k fused workers: with `every: auto` it
+    runs every n-th step only (`measure_every`). The EMA keeps its decay per measurement, so it averages
+    as many measurements (1 / (1 - ema_decay)) whatever n is: fewer measurements in the average would
+    let B_simple's denominator |G|^2 fall below zero more often (bench/README.md, "Cost of measure=[gns]").
     """
 
     name = "gns"
@@ -117,23 +116,24 @@ class GradientNoiseScale(Technique):
     def __init__(self, ema_decay: float = 0.95, finite_population: bool = True, every: int | str = "auto"):
         number("technique.gns.ema_decay", ema_decay, 0, 1, high_open=True)
         self.every_setting = every if every == "auto" else integer("technique.gns.every (or auto)", every, 1)
-        self.every: int | None = None  # decided by the first batch layout (check_plan)
+        if every != "auto":
+            self.worker_gradient_every = self.every_setting
         self.estimator = NoiseScaleEstimator(ema_decay)
         self.finite_population = finite_population
         self.worker_sq: torch.Tensor | None = None
         self.worker_batch: int | None = None
-        self.hook_sq: torch.Tensor | None = None
+        # Each parameter's local squared gradient norm as DDP's hook saw it, summed in parameter order at the
+        # step's end: the same float sum whatever buckets DDP groups the gradients in (they differ on resume).
+        self.hook_sq: dict[int, torch.Tensor] = {}
+        self.param_index: dict[int, int] = {}
         # B_simple at each evaluation: how the estimate moves over training (it grows as the loss falls).
         self.curve: list[list[float]] = []
 
-    def check_plan(self, plan: BatchPlan) -> None:
-        if plan.world_size == 1:
+    def check_layout(self, layout: BatchLayout) -> None:
+        if layout.world_size == 1:
             note("measure gns: one worker in all, so no smaller batch to compare with: no noise scale is measured")
-        if self.every is None:
-            self.every = measure_every(self.every_setting, plan.workers_per_proc)
-
-    def wants_worker_gradient(self, step: int) -> bool:
-        return step % (self.every or 1) == 0
+        if self.worker_gradient_every is None:  # decided by the first batch layout
+            self.worker_gradient_every = measure_every(self.every_setting, layout.workers_per_proc)
 
     def on_worker_gradient(self, grads: list[torch.Tensor], per_worker_batch: int, workers: int) -> None:
         self.worker_sq = torch.stack([whole(g.double().pow(2).sum()) for g in grads]).sum()
@@ -141,17 +141,20 @@ class GradientNoiseScale(Technique):
 
     def comm_hook(self, inner: CommHook, ddp_model: nn.Module) -> CommHook:
         # Order 80: wraps any compression, so it reads the full-precision local gradient.
+        self.param_index = {id(p): i for i, p in enumerate(ddp_model.module.parameters())}
+
         def measure_then_reduce(bucket):
-            local_sq = bucket.buffer().double().pow(2).sum()
-            self.hook_sq = local_sq if self.hook_sq is None else self.hook_sq + local_sq
+            for param, grad in zip(bucket.parameters(), bucket.gradients()):
+                self.hook_sq[self.param_index[id(param)]] = grad.double().pow(2).sum()
             return inner(bucket)
 
         return measure_then_reduce
 
     def after_backward(self, model: nn.Module, progress: Progress) -> None:
         worker_sq, self.worker_sq = self.worker_sq, None
-        hook_sq, self.hook_sq = self.hook_sq, None
-        if not self.wants_worker_gradient(progress.step):
+        hook_sq = torch.stack([self.hook_sq[i] for i in sorted(self.hook_sq)]).sum() if self.hook_sq else None
+        self.hook_sq = {}
+        if progress.step % (self.worker_gradient_every or 1):
             return  # a real worker's hook read this step for free: skipped alike, so layouts measure alike
         procs = dist.get_world_size() if dist.is_initialized() else 1
         if worker_sq is None:
@@ -176,9 +179,9 @@ class GradientNoiseScale(Technique):
         dist.all_reduce(worker_sq)
         return worker_sq / procs
 
-    def after_eval(self, step: int, samples_seen: int, acc: float, loss: float) -> None:
+    def after_eval(self, point: EvalPoint) -> None:
         if self.estimator.weight:
-            self.curve.append([samples_seen, self.estimator.b_simple])
+            self.curve.append([point.samples_seen, self.estimator.b_simple])
 
     def metrics(self) -> dict[str, float]:
         return self.estimator.state()
@@ -198,4 +201,5 @@ class GradientNoiseScale(Technique):
             setattr(self.estimator, key, state[key])
 
     def describe(self) -> str:
-        return "gradient noise scale (B_simple)" + (f", every {self.every} steps" if (self.every or 1) > 1 else "")
+        every = self.worker_gradient_every or 1
+        return "gradient noise scale (B_simple)" + (f", every {every} steps" if every > 1 else "")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lbt.parallel.tensor_parallel import local, whole
+from lbt.spec.validate import number
 from lbt.techniques.base import Progress, Technique
-from lbt.tensor_parallel import local, whole
-from lbt.validate import number
 
 
 def clip_coefficient(total_norm: torch.Tensor | float, max_norm: float) -> torch.Tensor:
@@ -36,6 +36,8 @@ class GradClip(Technique):
 
     def after_backward(self, model: nn.Module, progress: Progress) -> None:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if not grads:  # no gradient this step (the first steps of a gradient delay)
+            return
         self.last_norm = torch.linalg.vector_norm(torch.stack([whole(torch.linalg.vector_norm(g)) for g in grads]))
         coefficient = clip_coefficient(self.last_norm, self.max_norm)
         for grad in grads:

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lbt.errors import ConfigError
+from lbt.spec.validate import number
 from lbt.techniques.base import Technique
-from lbt.validate import number
 
 
 def smooth_labels(targets: torch.Tensor, num_classes: int, eps: float) -> torch.Tensor:

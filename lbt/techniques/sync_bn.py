@@ -15,13 +15,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lbt.config import BatchPlan
 from lbt.errors import ConfigError
+from lbt.spec.batching import BatchLayout
 from lbt.techniques.base import Technique
 
 
 def runs_on_cuda(device: str | torch.device, cuda_available: bool) -> bool:
-    """Whether trainer.device=`device` puts the model on CUDA (auto: CUDA when present), as lbt.dist.pick_device."""
+    """Whether trainer.device=`device` puts the model on CUDA (auto: CUDA when present), as
+    lbt.parallel.process_group.pick_device decides."""
     kind = str(device).split(":")[0]
     return cuda_available and kind in ("auto", "cuda")
 
@@ -40,10 +41,10 @@ class SyncBN(Technique):
         self.device = str(device)
         self.converted: int | None = None
 
-    def check_plan(self, plan: BatchPlan) -> None:
-        if plan.workers_per_proc > 1:
+    def check_layout(self, layout: BatchLayout) -> None:
+        if layout.workers_per_proc > 1:
             raise ConfigError(f"technique.sync_bn pools BN statistics across processes, not across the "
-                              f"{plan.workers_per_proc} simulated workers of one; run with "
+                              f"{layout.workers_per_proc} simulated workers of one; run with "
                               "dist.procs=dist.world_size")
 
     def on_model(self, model: nn.Module) -> nn.Module:

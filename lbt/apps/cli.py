@@ -1,0 +1,61 @@
+"""The `lbt` command: `lbt train | study | tune | report | plan`, also as `python -m lbt` and `torchrun -m lbt`.
+
+Each command is its own module of lbt/apps; this one only dispatches. A mistake ends with one
+`lbt: error:` line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from lbt.apps.errors import fail
+from lbt.apps.plan.cli import plan_main
+from lbt.apps.report.cli import report_command
+from lbt.apps.study import study_command
+from lbt.apps.train import train_command
+from lbt.apps.tune import tune_command
+from lbt.engine.worker import exit_worker
+from lbt.parallel import process_group as pg
+
+USAGE = """usage: lbt COMMAND [args]
+
+commands:
+  train [overrides]     one training run, e.g. `lbt train model=mlp dist.world_size=16`
+                        (-m for a Hydra multirun sweep, --cfg job to print the config)
+  study [overrides]     run a study (default: study=default, recipes x GPU counts on MNIST-1D)
+                        and write its report; e.g. `lbt study study=gpu_counts`
+  tune [overrides]      the same tuning budget (Optuna trials, chosen on val) for every cell of
+                        recipes x world sizes, then the best and the untuned defaults over seeds,
+                        scored on test; e.g. `lbt tune recipe=baseline,lamb dist.world_size=16,64`
+  report DIR [--target ACC] [--metric loss --target LOSS]
+                        turn a multirun folder into report.md, PNG curves, summary.json, tb_summary/
+  plan [options]        predict time per epoch vs GPU count from measured compute and a network
+                        model: where adding GPUs stops paying (`lbt plan --help`)
+"""
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return
+    command, args = argv[0], argv[1:]
+    if command == "train":
+        train_command(args)
+        if pg.torchrun_env() is not None:  # a torchrun worker: see lbt.engine.worker.exit_worker
+            exit_worker()
+    elif command == "study":
+        study_command(args)
+    elif command == "tune":
+        tune_command(args)
+    elif command == "report":
+        report_command(args)
+    elif command == "plan":
+        sys.exit(plan_main(args))
+    else:
+        print(USAGE, file=sys.stderr)
+        fail(f"unknown command {command!r}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""Composing lbt's config as `lbt train` does: the one function every command, test and benchmark uses.
+
+    compose(["model=mlp", "dist.world_size=16"]) -> Composed(config, recipe)   # a plain dict, resolved
+
+Hydra composes conf/ (its groups, the recipe's deltas, the command line's overrides) against typed
+schemas derived from the run spec's dataclasses (lbt/spec/run.py), so a mistyped key or a wrong type
+fails here; its errors become one line (`explain`), with the closest name where the user likely
+mistyped one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, List, Optional, Union
+
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf, open_dict
+from omegaconf.errors import MissingMandatoryValue
+
+from lbt.errors import ConfigError
+from lbt.spec.run import DistSpec, ScheduleSpec, TrainerSpec
+
+PLAIN_TYPES = (int, float, str, bool)
+
+
+def conf_dir() -> Path:
+    """lbt's Hydra config tree: conf/ beside lbt/ in a checkout, lbt/conf in an installed wheel."""
+    package = Path(__file__).resolve().parents[1]
+    source_checkout = package.parent / "conf"
+    if (source_checkout / "config.yaml").is_file():
+        return source_checkout
+    return package / "conf"
+
+
+def hydra_schema(spec: type) -> type:
+    """A spec dataclass as a Hydra structured config: the same keys and defaults, types OmegaConf takes
+    (a union of two kinds, `bool | str`, is Any there; a tuple is a list), not frozen (Hydra merges into it)."""
+    hints = typing.get_type_hints(spec)
+    fields = []
+    for f in dataclasses.fields(spec):
+        kind = omegaconf_type(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        value = dataclasses.field(default_factory=lambda d=default: list(d)) if isinstance(default, tuple) \
+            else dataclasses.field(default=default)
+        fields.append((f.name, kind, value))
+    return dataclasses.make_dataclass(f"{spec.__name__}Schema", fields)
+
+
+def omegaconf_type(kind: Any) -> Any:
+    if kind in PLAIN_TYPES:
+        return kind
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    origin = typing.get_origin(kind)
+    if origin in (Union, types.UnionType) and len(args) == 1 and args[0] in PLAIN_TYPES:
+        return Optional[args[0]]
+    if origin is tuple and args and args[0] in PLAIN_TYPES:
+        return List[args[0]]  # type: ignore[valid-type]
+    return Any
+
+
+def register_schemas() -> None:
+    """The typed schemas of conf/{dist,trainer,schedule}/ (their `defaults` name them); call before composing."""
+    store = ConfigStore.instance()
+    for group, spec in (("dist", DistSpec), ("trainer", TrainerSpec), ("schedule", ScheduleSpec)):
+        store.store(group=group, name=f"{group}_schema", node=hydra_schema(spec))
+
+
+@dataclass(frozen=True)
+class Composed:
+    config: dict[str, Any]  # resolved, without the hydra node
+    recipe: str  # the recipe group's choice ("custom" when none)
+
+
+def compose(overrides: list[str] | tuple[str, ...] = (), config_dir: str | Path | None = None,
+            config_name: str = "config", job_name: str = "lbt") -> Composed:
+    """The resolved config `lbt train OVERRIDES` would run, and its recipe; any mistake is one ConfigError line.
+
+    `config_dir`: a folder of the user's own configs searched after lbt's (`--config-dir`).
+    """
+    register_schemas()
+    search = [conf_dir()] + ([Path(config_dir).expanduser().absolute()] if config_dir else [])
+    extra = [f"hydra.searchpath=[file://{search[-1]}]"] if config_dir else []
+    with initialize_config_dir(str(conf_dir()), version_base="1.3", job_name=job_name):
+        try:
+            cfg = hydra_compose(config_name, overrides=[*overrides, *extra], return_hydra_config=True)
+        except Exception as error:  # Hydra / OmegaConf composition errors, with the closest name if mistyped
+            known = composed_without(list(overrides), config_name, error, extra)
+            raise ConfigError(explain(error, known, search)) from None
+        recipe = cfg.hydra.runtime.choices.get("recipe") or "custom"
+    with open_dict(cfg):
+        del cfg["hydra"]
+    try:
+        config = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except MissingMandatoryValue as error:
+        key = error.full_key
+        raise ConfigError(f"{key} has no default and must be given, e.g. {key}=...") from None
+    except Exception as error:  # an interpolation that does not resolve
+        raise ConfigError(one_line(error)) from None
+    assert isinstance(config, dict)
+    return Composed({str(k): v for k, v in config.items()}, str(recipe))
+
+
+def composed_without(overrides: list[str], config_name: str, error: BaseException,
+                     extra: list[str] | tuple = ()) -> dict | None:
+    """The config without the override an error names, to suggest the key the user meant
+    (`extra`: the search path of the user's own configs)."""
+    culprit = str(error).split("'")[1] if str(error).count("'") >= 2 else None
+    keep = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != culprit]
+    try:
+        container = OmegaConf.to_container(hydra_compose(config_name, overrides=[*keep, *extra]), resolve=False)
+    except Exception:
+        return None
+    return container if isinstance(container, dict) else None
+
+
+def one_line(error: BaseException) -> str:
+    """Fold a (possibly multi-line) Hydra/OmegaConf error into one readable line."""
+    messages = [str(error)]
+    if error.__cause__ is not None and str(error.__cause__) not in messages[0]:
+        messages.append(str(error.__cause__))
+    noise = ("full_key:", "object_type=", "reference_type=", "Set the environment", "To append")
+    parts: list[str] = []
+    for message in messages:
+        for raw in message.splitlines():
+            line = raw.strip()
+            if not line or line.startswith(noise):
+                continue
+            if raw[:1] in ("\t", " ") and parts:  # an item of a listed set of options
+                parts[-1] += (" " if parts[-1].endswith(":") else ", ") + line
+            else:
+                parts.append(line)
+    return " ".join(parts) or type(error).__name__
+
+
+def group_options(group: str, search_dirs: list[Path]) -> list[str]:
+    """The config names a group offers (`technique` -> batch_ramp, ghost_bn, ...) in the search folders."""
+    names = {path.stem for folder in search_dirs for path in (folder / group).glob("*.yaml")}
+    return sorted(name for name in names if not name.startswith("_"))
+
+
+def explain(error: BaseException, defaults: Mapping | None, search_dirs: list[Path]) -> str:
+    """A composition error as one line, with the closest name when the user likely mistyped one.
+
+    `defaults`: the config composed without the failing override, to look keys up in.
+    """
+    message = one_line(error)
+    missing = re.search(r"Could not (?:find|load) '([\w/]+)/([^'/]+)'", message)
+    if missing:
+        group, name = missing.groups()
+        options = group_options(group, search_dirs)
+        close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
+        hint = f"did you mean {group}={close[0]}? " if close else ""
+        return f"{group}={name}: no such {group} config; {hint}available: {', '.join(options) or 'none'}"
+    unknown = re.search(r"Could not override '([^']+)'", message)
+    if unknown and defaults is not None:
+        return unknown_key(unknown.group(1).lstrip("+~"), defaults) or message
+    return message
+
+
+def unknown_key(dotted: str, config: Mapping) -> str | None:
+    """`trainer.epoch: no such key in trainer; did you mean trainer.epochs?` (None: its parent is not a node)."""
+    parent, _, leaf = dotted.rpartition(".")
+    node: Any = config
+    for part in parent.split(".") if parent else []:
+        node = node.get(part) if isinstance(node, Mapping) else None
+    if not isinstance(node, Mapping):
+        return None
+    close = difflib.get_close_matches(leaf, [str(k) for k in node], n=1, cutoff=0.6)
+    where = parent or "the config"
+    if close:
+        return f"{dotted}: no such key in {where}; did you mean {'.'.join(filter(None, (parent, close[0])))}?"
+    return (f"{dotted}: no such key in {where} (keys: {', '.join(sorted(map(str, node)))}); "
+            f"a new key needs a leading +, e.g. +{dotted}=...")

@@ -1,0 +1,183 @@
+"""What `lbt plan` prints and draws: the table over W (data parallelism) and the split table (--tensor-parallel)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lbt.apps.plotting import figure, save_figure
+from lbt.cost.data_parallel import ScalingRow
+from lbt.cost.tensor_parallel import DenseSplit, SplitRow
+from lbt.parallel.tensor_parallel import why_not
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.2f}"
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:,.2f} h"
+    if seconds >= 60:
+        return f"{seconds / 60:,.1f} min"
+    return f"{seconds:,.2f} s" if seconds >= 0.1 else f"{seconds * 1e3:,.1f} ms"
+
+
+def aligned(lines: list[list[str] | None]) -> str:
+    """A text table: the header first, then a rule; columns right-aligned but the last (notes); None: a blank line."""
+    cells = [line for line in lines if line is not None]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
+    out = []
+    for k, line in enumerate(lines):
+        if line is None:
+            out.append("")
+            continue
+        out.append("  ".join(c.rjust(w) if i < len(line) - 1 else c
+                             for i, (c, w) in enumerate(zip(line, widths))).rstrip())
+        if k == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def format_table(rows: list[ScalingRow]) -> str:
+    delayed = bool(rows) and rows[0].synchronous_step_s is not None
+    header = ["W", "global batch", "slowest compute ms", "allreduce ms", "step ms", "epoch", "speedup", "efficiency",
+              "note"]
+    if delayed:
+        header[4:5] = ["sync step ms", "delayed step ms"]
+    lines: list[list[str] | None] = [header]
+    for r in rows:
+        notes = []
+        if r.slower:
+            notes.append("SLOWER than W/2")
+        if r.beyond_critical:
+            notes.append("B > B_crit")
+        if r.beyond_dataset:
+            notes.append("B > N")
+        steps = [_ms(r.synchronous_step_s), _ms(r.step_s)] if delayed else [_ms(r.step_s)]
+        lines.append([
+            str(r.workers), f"{r.global_batch:,}", _ms(r.compute_s), _ms(r.allreduce_s), *steps,
+            _duration(r.epoch_s), f"{r.speedup:,.2f}x", f"{r.efficiency:.0%}", ", ".join(notes),
+        ])
+    return aligned(lines)
+
+
+def summarize(rows: list[ScalingRow], critical_batch: float | None) -> list[str]:
+    best = min(rows, key=lambda r: r.epoch_s)
+    lines = [f"fastest epoch: W={best.workers} ({_duration(best.epoch_s)}, {best.speedup:.1f}x W=1, "
+             f"efficiency {best.efficiency:.0%})"]
+    slower = [r.workers for r in rows if r.slower]
+    if slower:
+        lines.append(f"adding workers slows the epoch from W={slower[0]} on "
+                     "(communication outgrows the compute it saves)")
+    half = [r.workers for r in rows if r.efficiency < 0.5]
+    if half:
+        lines.append(f"scaling efficiency falls below 50% at W={half[0]}")
+    if critical_batch is not None:
+        beyond = [r.workers for r in rows if r.beyond_critical]
+        last_ok = [r.workers for r in rows if not r.beyond_critical]
+        if beyond:
+            lines.append(f"critical batch B_crit={critical_batch:,.0f}: global batch exceeds it from W={beyond[0]} on "
+                         f"(accuracy expected to suffer; largest safe W here: {last_ok[-1] if last_ok else 'none'})")
+        else:
+            lines.append(f"critical batch B_crit={critical_batch:,.0f}: not reached up to W={rows[-1].workers}")
+    return lines
+
+
+def plot(rows: list[ScalingRow], path: str | Path, title: str, critical_batch: float | None) -> Path:
+    ws = [r.workers for r in rows]
+    fig, (ax_time, ax_eff) = figure(2, 11, 4.2)
+    ax_time.plot(ws, [r.epoch_s for r in rows], "o-", label="epoch time (model)")
+    ax_time.plot(ws, [rows[0].epoch_s / w for w in ws], ":", color="gray", label="perfect scaling")
+    ax_time.set_yscale("log")
+    ax_time.set_ylabel("epoch time (s)")
+    ax_eff.plot(ws, [r.efficiency for r in rows], "o-", color="tab:green", label="scaling efficiency")
+    ax_eff.set_ylim(0, 1.05)
+    ax_eff.set_ylabel("efficiency = speedup / W")
+    slower = [r.workers for r in rows if r.slower]
+    beyond = [r.workers for r in rows if r.beyond_critical]
+    for ax in (ax_time, ax_eff):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("workers W")
+        ax.grid(True, which="both", alpha=0.3)
+        if slower:
+            ax.axvline(slower[0], color="tab:red", linestyle="--", label=f"slower from W={slower[0]}")
+        if beyond:
+            ax.axvspan(beyond[0], ws[-1], color="tab:orange", alpha=0.15,
+                       label=f"b·W > B_crit={critical_batch:,.0f}")
+        ax.legend(fontsize=8)
+    return save_figure(fig, path, title, dpi=110)
+
+
+def format_split_table(rows: list[SplitRow]) -> str:
+    header = ["W", "DP x T", "global batch", "compute ms", "TP comm ms", "DP allreduce ms", "step ms", "epoch",
+              "speedup", "note"]
+    lines: list[list[str] | None] = [header]
+    for i, r in enumerate(rows):
+        if i and r.workers != rows[i - 1].workers:
+            lines.append(None)  # a blank line between GPU counts
+        notes = (["<- recommended"] if r.recommended else []) + (["B > B_crit"] if r.beyond_critical else []) \
+            + (["B > N"] if r.beyond_dataset else [])
+        lines.append([str(r.workers), f"{r.data_parallel} x {r.tensor_parallel}", f"{r.global_batch:,}",
+                      _ms(r.compute_s), _ms(r.tp_comm_s), _ms(r.dp_comm_s), _ms(r.step_s), _duration(r.epoch_s),
+                      f"{r.speedup:,.2f}x", ", ".join(notes)])
+    return aligned(lines)
+
+
+def summarize_splits(rows: list[SplitRow], critical_batch: float | None) -> list[str]:
+    chosen = [r for r in rows if r.recommended]
+    lines = ["recommended split per W: " + ", ".join(f"W={r.workers}: {r.data_parallel} x {r.tensor_parallel}"
+                                                      for r in chosen)]
+    hybrid = [r for r in chosen if r.tensor_parallel > 1]
+    rule = "fastest epoch" + (f" with global batch <= B_crit={critical_batch:,.0f}" if critical_batch else "")
+    if hybrid:
+        lines.append(f"tensor parallelism recommended from W={hybrid[0].workers} on ({rule})")
+    else:
+        lines.append(f"data parallelism alone at every W ({rule})")
+    stuck = [r.workers for r in chosen if r.beyond_critical]
+    if stuck:
+        lines.append(f"from W={stuck[0]} on every split's global batch exceeds B_crit: the one closest to it is shown")
+    return lines
+
+
+def plot_splits(rows: list[SplitRow], path: str | Path, title: str, critical_batch: float | None) -> Path:
+    """Epoch time and global batch vs W: data parallelism alone and the recommended split."""
+    dp_only = [r for r in rows if r.tensor_parallel == 1]
+    chosen = [r for r in rows if r.recommended]
+    fig, (ax_time, ax_batch) = figure(2, 11, 4.2)
+    for ax, value, label in ((ax_time, "epoch_s", "epoch time (s)"), (ax_batch, "global_batch", "global batch")):
+        ax.plot([r.workers for r in dp_only], [getattr(r, value) for r in dp_only], "o-", label="data parallel only")
+        ax.plot([r.workers for r in chosen], [getattr(r, value) for r in chosen], "s--", color="tab:purple",
+                label="recommended DP x T")
+        for r in chosen:
+            if r.tensor_parallel > 1:
+                ax.annotate(f"T={r.tensor_parallel}", (r.workers, getattr(r, value)), fontsize=7,
+                            textcoords="offset points", xytext=(4, -10))
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("GPUs W")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    if critical_batch:
+        ax_batch.axhline(critical_batch, color="tab:orange", linestyle=":", label=f"B_crit={critical_batch:,.0f}")
+    for ax in (ax_time, ax_batch):
+        ax.legend(fontsize=8)
+    return save_figure(fig, path, title, dpi=110)
+
+
+def describe_split(split: DenseSplit, per_worker_batch: int, tensor_parallel: list[int], name: str) -> list[str]:
+    """What the rule splits in this model, what it sends per step and which T it rules out: the lines
+    above the table."""
+    impossible = [f"note: T={t} impossible for {name}: {why_not(list(split.layers), t)} (left out of the table)"
+                  for t in tensor_parallel if why_not(list(split.layers), t)]
+    if not split.layers:
+        return [f"tensor parallel: {name} has nothing to split (no Linear pair, no only Linear): DP only", *impossible]
+    layers = ", ".join(f"{name}.{layer.name} ({layer.style})" for layer in split.layers)
+    kinds = [(c.op, c.phase, c.bytes_per_sample) for c in split.collectives]
+    sends = ", ".join(f"{kinds.count(k)} x {k[0]} {k[1]} of {per_worker_batch * k[2] / 1e3:,.1f} kB"
+                      for k in dict.fromkeys(kinds)) or "nothing"
+    return [f"tensor parallel: splits {layers}; {split.sharded_params:,} of "
+            f"{split.sharded_params + split.replicated_params:,} parameters sharded, "
+            f"{split.dense_share:.1%} of the FLOPs",
+            f"  per step among the T ranks at b={per_worker_batch}: {sends}",
+            "  step = compute x (1 - s + s/T) + activation collectives over T + gradient allreduce over DP of "
+            "(replicated + sharded/T) x 4 bytes; DP x 1 rows are the data-parallel model above", *impossible]

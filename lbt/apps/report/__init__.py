@@ -1,0 +1,106 @@
+"""`lbt report DIR`: a study (Hydra multirun folder) -> table, curves, TensorBoard summary.
+
+Reads every job's result.json under DIR (jobs.py) and writes into DIR: report.md (markdown.py),
+accuracy_vs_batch.png, steps_to_target.png (with the fitted critical-batch curve) and
+gns_over_training.png (plots.py), summary.json, and tb_summary/ (tensorboard.py: scalars whose step
+axis is the global batch, plus an HParams table). Jobs that share recipe and global batch (several
+seeds) are averaged, with their standard deviation (rows.py).
+
+Every number is named after the split it was measured on: `val` is held out of the training set and
+is what runs select on (best, steps-to-target); `test` is scored once per run, at the end. A study
+whose runs have no validation split evaluated test during training, and its columns say test.
+
+The report judges runs by accuracy (`--metric acc`, the default) or by loss (`--metric loss`, lower is
+better; a language model's also reads as bits per char): the target, steps to it (critical.py) and
+"how many GPUs" (answer.py) all compare through lbt/spec/objective.py's Metric; accuracy_vs_batch.png
+is then loss_vs_batch.png. Past a batch cap, hybrid.py scores data x tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from lbt.apps.report.answer import answer_lines, gpu_answer, time_to_accuracy
+from lbt.apps.report.critical import critical_batch
+from lbt.apps.report.hybrid import hybrid_caps, hybrid_points
+from lbt.apps.report.jobs import SUMMARY_DIR, Job, load_jobs
+from lbt.apps.report.markdown import markdown
+from lbt.apps.report.plots import plot_gns, plot_gpus, plot_metric_vs_batch, plot_steps
+from lbt.apps.report.rows import Row, aggregate, default_target
+from lbt.apps.report.tensorboard import write_tensorboard
+from lbt.errors import ConfigError
+from lbt.spec.objective import metric_named
+
+__all__ = ["Job", "Row", "aggregate", "answer_lines", "default_target", "gpu_answer", "load_jobs", "write_report"]
+
+
+def write_report(study_dir: str | Path, target: float | None = None, tolerance: float | None = None,
+                 network: str | None = None, step_ms: float | None = None, metric: str = "acc",
+                 hybrid_cap: int | None = None) -> dict[str, Any]:
+    """The report of a study folder, judged on `metric` ("acc", higher is better, or "loss", lower is
+    better): the target, steps to it, and "how many GPUs" within `tolerance` (the metric's units,
+    default its default_tolerance). Writes the report's files into the folder; returns summary.json."""
+    study_dir, judge = Path(study_dir), metric_named(metric, "--metric")
+    jobs = load_jobs(study_dir)
+    if not jobs:
+        raise ConfigError(f"no result.json found under {study_dir}: is it a study (multirun) folder?")
+    target = default_target(jobs, judge) if target is None else target
+    tolerance = judge.default_tolerance if tolerance is None else tolerance
+    rows = aggregate(jobs, target, judge)
+    crit = critical_batch(jobs, rows, target, judge)
+    answer = gpu_answer(rows, tolerance, judge)
+    if network is not None:
+        answer["time_to_accuracy"] = time_to_accuracy(rows, answer, jobs, network, step_ms)
+    hybrid = hybrid_points(rows, jobs, hybrid_caps(answer, hybrid_cap), judge)
+    (study_dir / "report.md").write_text(markdown(rows, target, crit, jobs, answer, judge, hybrid,
+                                                  hybrid_cap is not None))
+    curves, gpus = f"{judge.label}_vs_batch.png", f"{judge.label}_vs_gpus.png"
+    plot_metric_vs_batch(rows, crit, study_dir / curves, judge)
+    files = ["report.md", curves, "steps_to_target.png", "gns_over_training.png", "summary.json", SUMMARY_DIR]
+    if any("impossible" not in p for p in hybrid):
+        plot_gpus(rows, hybrid, study_dir / gpus, judge)
+        files.insert(2, gpus)
+    plot_steps(rows, target, crit, study_dir / "steps_to_target.png", judge)
+    plot_gns(jobs, crit, study_dir / "gns_over_training.png")
+    write_tensorboard(rows, jobs, study_dir / SUMMARY_DIR)
+    summary = {
+        "metric": judge.name,
+        f"target_{judge.name}": target,
+        "files": files,
+        "gpu_answer": answer,
+        "hybrid": hybrid,
+        "critical_batch": crit,
+        "rows": [asdict(r) for r in rows],
+        "jobs": [job_summary(job) for job in jobs],
+    }
+    (study_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def job_summary(job: Job) -> dict[str, Any]:
+    """A job's entry in summary.json: its layout and numbers under result.json's own split-named keys."""
+    result, split = job.result, job.result.eval_split
+    if not job.readable:
+        return {"job_dir": job.job_dir, "series": job.series, "error": result.error}
+    entry: dict[str, Any] = {
+        "job_dir": job.job_dir, "series": job.series, "recipe": result.recipe, "world_size": result.world_size,
+        "global_batch": result.global_batch, "per_worker_batch": result.per_worker_batch, "seed": result.seed,
+        "eval_split": split,
+    }
+    if not result.failed:  # a failed job's result.json holds what it was, not what it measured
+        entry.update({
+            f"final_{split}_acc": result.final_acc, f"best_{split}_acc": result.best_acc,
+            "test_acc": result.test_acc, f"final_{split}_loss": result.final_loss, "test_loss": result.test_loss,
+        })
+        if result.token == "char":
+            entry[f"final_{split}_bits_per_char"] = result.bits_per_token(result.final_loss)
+            if result.test_loss is not None:
+                entry["test_bits_per_char"] = result.bits_per_token(result.test_loss)
+        entry.update({"steps": result.steps, "samples_per_sec": result.samples_per_sec,
+                      "diverged": result.diverged})
+    else:
+        entry["error"] = result.error
+    return entry

@@ -1,0 +1,71 @@
+"""`lbt tune`: the same tuning budget for every (recipe, global batch) cell, chosen on val.
+
+Comparing a hand-tuned recipe with an untuned baseline measures tuning effort, not the
+batch size (Shallue et al. 2019; Nado et al. 2021, "A Large Batch Optimizer Reality
+Check"). `lbt tune` runs one protocol for every cell of a grid:
+
+    for cell in the grid (tune.grid in conf/tune/default.yaml, or the command line's sweeps):
+        until tune.trials trials of the cell finished or were pruned:
+            values = TPE(seeded).sample(the recipe's tune.space)     # recipes/*.yaml
+            result = lbt.engine.run(make_spec(config + values))     # in this process, as `lbt train`
+                after each evaluation: val acc (or loss) -> the trial; the pruner may stop it (PruneOnVal)
+            value  = final_val_acc, or 0 if the run diverged (it spent the budget all the same);
+                     with tune.metric=loss final_val_loss, minimised, or inf if it diverged
+    for cell: the best trial's values, and the recipe's untuned defaults, each trained with
+        tune.seeds fresh seeds and scored on val and, once, on test
+    tune_report.md, tune_summary.json, best_lr_vs_batch.png
+
+The trials live in an Optuna SQLite storage, one Optuna study per cell, so the same
+command again runs only what is missing and `optuna-dashboard sqlite:///<dir>/optuna.db`
+shows them. Folder layout:
+
+    <tune.dir>/optuna.db
+    <tune.dir>/trials/<cell>/<number>/           a trial's run folder (no result.json if pruned)
+    <tune.dir>/final/tuned/<cell>/seed_<s>/      the best values, seed s
+    <tune.dir>/final/default/<cell>/seed_<s>/    the recipe's defaults, seed s
+                                                 (`lbt report <tune.dir>/final`: tuned vs untuned, per recipe)
+    <tune.dir>/tune_report.md, tune_summary.json, best_lr_vs_batch.png
+
+grid.py reads the command line into cells, trials.py runs a cell's trials, finals.py its final runs,
+report.py writes the report; command.py ties them together. Optuna is optional (`lbt[tune]`), so it is
+imported only once `lbt tune` is asked for.
+"""
+
+from __future__ import annotations
+
+from lbt.apps.errors import fail
+from lbt.errors import ConfigError
+
+HELP = """usage: lbt tune [overrides]
+
+The same tuning budget for every (recipe, world size) cell: tune.trials Optuna trials per cell
+(TPE, seeded; a pruner fed the val accuracy), each an `lbt train` run selected on val; then the best
+values and the recipe's untuned defaults with tune.seeds fresh seeds, scored once on test.
+Writes tune_report.md, tune_summary.json, best_lr_vs_batch.png and optuna.db into tune.dir;
+the same command again continues an interrupted tune.
+
+  lbt tune                                             the default grid (conf/tune/default.yaml)
+  lbt tune recipe=baseline,lamb dist.world_size=16,64  a grid of your own (Hydra sweep syntax)
+  lbt tune tune.trials=16 tune.seeds=5 tune.dir=runs/tune/mine model=mlp trainer.epochs=5
+
+tune.* keys: trials, seeds, seed, startup_trials, pruner (median|halving|hyperband|none),
+prune_startup_trials, prune_after, dir, grid, metric (acc: maximise val accuracy; loss: minimise
+val loss). A recipe's search space is its `tune.space` (recipes/*.yaml).
+"""
+
+
+def tune_command(args: list[str]) -> None:
+    """`lbt tune [overrides]`: a mistake is one `lbt: error:` line."""
+    if any(arg in ("-h", "--help") for arg in args):
+        print(HELP)
+        return
+    try:
+        import optuna  # noqa: F401  (checked here: the rest of lbt runs without it)
+    except ImportError:
+        fail("lbt tune needs Optuna: pip install 'lbt[tune]'")
+    from lbt.apps.tune.command import tune
+
+    try:
+        tune(args)
+    except ConfigError as error:
+        fail(str(error))

@@ -1,0 +1,125 @@
+"""A tuned cell's final runs: its best values and its untuned defaults over fresh seeds, scored once on test."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any
+
+import optuna
+
+from lbt.apps.tune.grid import Cell, TuneGrid
+from lbt.apps.tune.trials import (
+    Stopped,
+    TrialState,
+    final_value,
+    hydra_value,
+    identity_overrides,
+    shown_values,
+    train_run,
+)
+from lbt.metrics.spread import mean_std
+from lbt.paths import atomic_write
+from lbt.spec.result import RunResult, read_result
+
+
+def finish_cell(grid: TuneGrid, cell: Cell, study: optuna.Study, new_runs: dict) -> dict:
+    """The cell's trials in numbers, then its best values and its defaults over tune.seeds fresh seeds."""
+    trials = study.get_trials(deepcopy=False)
+    counted = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    complete = [t for t in counted if t.state == TrialState.COMPLETE]
+    metric = grid.settings.metric
+    summary: dict[str, Any] = {
+        "cell": cell.name, "axes": cell.axes, "recipe": cell.recipe, "series": cell.series, "metric": metric.name,
+        "world_size": cell.config["dist"]["world_size"], "global_batch": cell.global_batch,
+        "scaling": cell.config["schedule"]["scaling"], "base_batch": cell.config["schedule"]["base_batch"],
+        "space": cell.space,
+        "trials": {"counted": len(counted), "complete": len(complete),
+                   "pruned": sum(t.state == TrialState.PRUNED for t in counted),
+                   "diverged": sum(bool(t.user_attrs.get("diverged")) for t in complete),
+                   "failed": sum(t.state == TrialState.FAIL for t in trials)},
+        "best": None,
+    }
+    first_seed = int(cell.config["trainer"]["seed"])
+    seeds = [first_seed + k for k in range(1, grid.settings.seeds + 1)]
+    if complete:
+        best = max(complete, key=lambda t: (metric.score(t.value), -t.number))
+        summary["best"] = {"trial": best.number, f"val_{metric.name}": best.value, "params": dict(best.params),
+                           "diverged": bool(best.user_attrs.get("diverged")),
+                           "base_lr": best.user_attrs.get("base_lr"), "peak_lr": best.user_attrs.get("peak_lr")}
+        t = summary["trials"]
+        print(f"[{cell.name}] best of {len(counted)} trials ({t['pruned']} pruned, {t['diverged']} diverged): "
+              f"trial {best.number} val_{metric.name}={best.value:.4f} {shown_values(best.params)}", flush=True)
+        summary["tuned"] = final_runs(grid, cell, "tuned", dict(best.params), seeds, new_runs)
+    else:
+        print(f"[{cell.name}] no trial finished (all {len(counted)} pruned): no tuned runs", flush=True)
+    summary["default"] = final_runs(grid, cell, "default", {}, seeds if grid.settings.untuned else [], new_runs)
+    summary["overrides"] = identity_overrides(grid)
+    (grid.settings.dir / "cells").mkdir(exist_ok=True)
+    atomic_write(grid.settings.dir / "cells" / f"{cell.folder}.json",
+                 lambda f: f.write(json.dumps(summary, indent=2).encode()))
+    return summary
+
+
+def earlier_cells(grid: TuneGrid, cells: list[dict]) -> list[dict]:
+    """Finished cells in tune.dir that this command did not name, tuned with the same overrides and metric."""
+    names, found = {c["cell"] for c in cells}, []
+    for path in sorted((grid.settings.dir / "cells").glob("*.json")):
+        try:
+            cell = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # being written by another process, or not ours
+        same = cell.get("overrides") == identity_overrides(grid) \
+            and cell.get("metric", "acc") == grid.settings.metric.name
+        if cell.get("cell") not in names and same:
+            found.append(cell)
+    return found
+
+
+def final_runs(grid: TuneGrid, cell: Cell, kind: str, params: dict, seeds: list[int], new_runs: dict) -> dict:
+    """Train `params` (the best trial's, or none: the defaults) once per seed; a run done before is read back.
+
+    Each run's overrides are the tune's, the cell's, `+tune.final=KIND` and its seed, not the tuned values
+    (those are in its config, and under `tune.params`): `lbt report` then draws one curve per recipe across
+    the cells, in final/tuned, final/default, or both side by side in final/.
+    """
+    results = [final_run(grid, cell, kind, params, seed, new_runs) for seed in seeds]
+    m = grid.settings.metric
+    # A diverged run has no value to average (its last evaluation came before the blow-up).
+    val = [final_value(r, m) for r in results]
+    test = [None if r.diverged else getattr(r, f"test_{m.name}") for r in results]
+    return {"seeds": seeds, f"val_{m.name}": val, f"test_{m.name}": test, "val_mean_std": spread(val),
+            "test_mean_std": spread(test), "diverged": sum(r.diverged for r in results),
+            "base_lr": results[0].base_lr if results else None,
+            "peak_lr": results[0].peak_lr if results else None,
+            "folders": [str(grid.settings.dir / "final" / kind / cell.folder / f"seed_{s}") for s in seeds]}
+
+
+def final_run(grid: TuneGrid, cell: Cell, kind: str, params: dict, seed: int, new_runs: dict) -> RunResult:
+    """One final run, read back if it finished before; a run stopped part-way continues from its checkpoint."""
+    run_dir = grid.settings.dir / "final" / kind / cell.folder / f"seed_{seed}"
+    if (run_dir / "result.json").is_file():
+        done = read_result(run_dir)
+        if not done.failed:
+            return done
+    started = time.perf_counter()
+    marks = [f"+tune.final={kind}", f"trainer.seed={seed}"]
+    values = [f"{key}={hydra_value(value)}" for key, value in params.items()]
+    result = train_run(grid, cell, values + marks, run_dir, {"params": params},
+                       resume=(run_dir / "checkpoint").is_dir(), shown_overrides=marks)
+    if result.stopped:
+        raise Stopped
+    new_runs["finals"] += 1
+    m = grid.settings.metric.name
+    test = getattr(result, f"test_{m}")
+    state = "diverged" if result.diverged else \
+        f"val_{m}={getattr(result, f'final_{m}'):.4f} test_{m}={'n/a' if test is None else format(test, '.4f')}"
+    print(f"[{cell.name}] {kind} seed {seed}: {state} ({time.perf_counter() - started:.0f} s)", flush=True)
+    return result
+
+
+def spread(values: list[float | None]) -> list[float] | None:
+    """[mean, sample std] of the finite values (a diverged run has none), or None."""
+    mean, std = mean_std(values)
+    return None if math.isnan(mean) else [mean, std]

@@ -1,0 +1,208 @@
+"""The tune's grid: its settings (the `tune` node), its cells, and each cell's checked search space."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+
+from lbt.apps.compose import compose, one_line
+from lbt.engine import make_spec
+from lbt.errors import ConfigError
+from lbt.spec.objective import Metric, metric_named
+from lbt.spec.validate import integer, number, one_of
+
+PRUNERS = ("median", "halving", "hyperband", "none")
+# Cell keys that place a cell on the batch axis; the others (recipe, ...) name its curve.
+BATCH_KEYS = ("dist.world_size", "trainer.global_batch", "trainer.per_worker_batch")
+RANGE_KEYS = {"low", "high", "log", "step", "int"}
+# Keys every trial must share, so trials are compared on one validation split and one seed.
+UNTUNABLE = ("data.val_fraction", "data.val_seed", "trainer.seed")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The `tune` node (conf/tune/default.yaml), checked."""
+
+    trials: int
+    seeds: int
+    seed: int
+    startup_trials: int
+    pruner: str
+    prune_startup_trials: int
+    prune_after: float
+    dir: Path
+    metric: Metric  # what trials are selected on: final val accuracy (maximised) or loss (minimised)
+    untuned: bool = True  # also train the recipe's untuned defaults with the seeds (the "default" runs)
+
+    @classmethod
+    def from_config(cls, node: dict) -> Settings:
+        return cls(
+            trials=integer("tune.trials", node.get("trials")),
+            seeds=integer("tune.seeds", node.get("seeds")),
+            seed=integer("tune.seed", node.get("seed"), 0),
+            startup_trials=integer("tune.startup_trials", node.get("startup_trials"), 0),
+            pruner=str(one_of("tune.pruner", node.get("pruner"), PRUNERS)),
+            prune_startup_trials=integer("tune.prune_startup_trials", node.get("prune_startup_trials"), 0),
+            prune_after=number("tune.prune_after", node.get("prune_after"), 0.0, 1.0),
+            dir=Path(str(node.get("dir") or "runs/tune/default")).expanduser().absolute(),
+            metric=metric_named(str(node.get("metric", "acc")), "tune.metric"),
+            untuned=bool(one_of("tune.untuned", node.get("untuned", True), (True, False))),
+        )
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One (recipe, world size, ...) point of the grid: its overrides and its composed default config."""
+
+    axes: list[str]  # e.g. ["recipe=lars", "dist.world_size=16"]
+    recipe: str
+    config: dict  # composed with the recipe's defaults, resolved
+    space: dict[str, dict]
+    global_batch: int
+
+    @property
+    def name(self) -> str:
+        """The cell's Optuna study name: its axes, led by the recipe's name when the grid does not sweep it."""
+        named = any(_key(a) == "recipe" for a in self.axes)
+        return " ".join(self.axes if named else [f"recipe={self.recipe}", *self.axes])
+
+    @property
+    def folder(self) -> str:
+        return self.name.replace(" ", ",").replace("/", "_")
+
+    @property
+    def series(self) -> str:
+        """The curve the cell belongs to: its axes but the batch ones (`lars`, `lars optim=sgd`)."""
+        others = [a for a in self.axes if _key(a) not in (*BATCH_KEYS, "recipe")]
+        return " ".join([self.recipe, *others])
+
+
+@dataclass
+class TuneGrid:
+    """What one `lbt tune` command tunes: its settings, the overrides of every run, and the cells."""
+
+    settings: Settings
+    head: list[str]  # composed into every run, not a run's override: the tune config and tune.* keys
+    fixed: list[str]  # the command line's other overrides: every run's
+    cells: list[Cell] = field(default_factory=list)
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def tune_grid(args: list[str]) -> TuneGrid:
+    """Split the command line into the tune's settings, every run's overrides and the grid's cells.
+
+    The grid is `tune.grid` with the command line's sweeps (`recipe=a,b`) and set grid keys
+    (`dist.world_size=16`) in place of their lines, in a multirun's order (the last key fastest).
+    Every cell's default config is composed and checked here, before any trial runs.
+    """
+    parser = OverridesParser.create()
+    try:
+        parsed = parser.parse_overrides(list(args))
+    except Exception as error:
+        raise ConfigError(one_line(error)) from None
+    group = next((o for o in parsed if o.key_or_group == "tune"), None)
+    head = [f"+tune={group.value() if group else 'default'}"]
+    if any(o.key_or_group.startswith("hydra") for o in parsed):
+        raise ConfigError("lbt tune writes into tune.dir: hydra.* overrides do not apply to it")
+    for o in parsed:
+        if o.key_or_group.startswith("tune.") and o.is_sweep_override():
+            raise ConfigError(f"{o.input_line}: tune.* settings take one value")
+    head += [o.input_line for o in parsed if o.key_or_group.startswith("tune.")]
+    rest = [o for o in parsed if o.key_or_group != "tune" and not o.key_or_group.startswith("tune.")]
+    config = compose(head + [o.input_line for o in rest if not o.is_sweep_override()], job_name="lbt_tune").config
+    tune_node = config.get("tune") or {}
+    axes = dict(_sweep(parser, str(line), "tune.grid") for line in tune_node.get("grid") or [])
+    fixed = []
+    for o in rest:
+        key = o.get_key_element()
+        if o.is_sweep_override() or key in axes:
+            axes[key] = _sweep(parser, o.input_line, "the command line")[1]
+        else:
+            fixed.append(o.input_line)
+    grid = TuneGrid(Settings.from_config(tune_node), head, fixed)
+    for values in itertools.product(*axes.values()):
+        grid.cells.append(check_cell(grid, [f"{k}={v}" for k, v in zip(axes, values)]))
+    return grid
+
+
+def _sweep(parser: OverridesParser, line: str, where: str) -> tuple[str, list[str]]:
+    """`key=a,b` (or range(...), or one value) as (key, [values])."""
+    try:
+        override = parser.parse_override(line)
+        if override.is_sweep_override():
+            values = list(override.sweep_string_iterator())
+        else:
+            values = [override.get_value_element_as_str()]
+    except Exception as error:
+        raise ConfigError(f"{where}: {line}: {one_line(error)}") from None
+    return override.get_key_element(), values
+
+
+def check_cell(grid: TuneGrid, axes: list[str]) -> Cell:
+    """Compose a cell's default config and refuse, with one line, what a tune cannot do with it."""
+    composed = compose(grid.head + grid.fixed + axes, job_name="lbt_tune")
+    config, where = composed.config, f"cell {' '.join(axes)}"
+    val_fraction = (config.get("data") or {}).get("val_fraction")
+    if not (val_fraction or 0) > 0:
+        raise ConfigError(f"{where}: lbt tune selects on a validation split and data.val_fraction="
+                          f"{val_fraction} holds none out: set data.val_fraction > 0 (e.g. 0.1)")
+    spec = make_spec(config, composed.recipe)
+    if spec.procs != 1:
+        raise ConfigError(f"{where}: lbt tune runs every trial in this process: dist.procs must be 1, "
+                          f"got {spec.procs}")
+    space = check_space((config.get("tune") or {}).get("space") or {}, config, composed.recipe)
+    return Cell(axes, composed.recipe, config, space, spec.layout.global_batch)
+
+
+def check_space(space: dict, config: dict, recipe: str) -> dict[str, dict]:
+    """The recipe's `tune.space`: config key -> {low, high[, log, step, int]} or {choices: [...]}."""
+    if not space:
+        raise ConfigError(f"recipe {recipe} declares no tune.space, so a tune has nothing to search: add "
+                          f"e.g. `tune: {{space: {{optim.lr: {{low: 0.01, high: 1.0, log: true}}}}}}` to its YAML")
+    for key, values in space.items():
+        try:
+            check_range(key, values, config)
+        except ConfigError as error:
+            raise ConfigError(f"recipe {recipe}: {error}") from None
+    return space
+
+
+def check_range(key: str, values: Any, config: dict) -> None:
+    """One entry of a search space: a key of the config, and a range or choices Optuna can sample."""
+    where = f"tune.space.{key}"
+    if not _has_key(config, key):
+        raise ConfigError(f"{where}: {key} is not a key of the composed config")
+    if key in UNTUNABLE:
+        raise ConfigError(f"{where}: trials are compared on one validation split and seed; {key} is not tuned")
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where} must be {{low: .., high: ..}} or {{choices: [..]}}, got {values!r}")
+    if "choices" in values:
+        if set(values) != {"choices"} or not isinstance(values["choices"], list) or not values["choices"]:
+            raise ConfigError(f"{where}: give a non-empty list `choices` and nothing else, got {values!r}")
+        return
+    if set(values) - RANGE_KEYS or not {"low", "high"} <= set(values):
+        raise ConfigError(f"{where}: give low and high (and optionally log, step, int), got {values!r}")
+    low = number(f"{where}.low", values["low"])
+    high = number(f"{where}.high", values["high"], low, low_open=True)
+    if values.get("log") and low <= 0:
+        raise ConfigError(f"{where}: a log-uniform range needs low > 0, got {values['low']!r}")
+    if values.get("log") and values.get("step") is not None:
+        raise ConfigError(f"{where}: step and log exclude each other")
+    if values.get("step") is not None:
+        number(f"{where}.step", values["step"], 0, high - low, low_open=True)
+
+
+def _has_key(config: dict, dotted: str) -> bool:
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True

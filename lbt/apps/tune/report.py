@@ -1,0 +1,249 @@
+"""The tune's report: tune_summary.json (the protocol, every cell, the fitted LR exponents, the gaps to the
+smallest batch), tune_report.md and best_lr_vs_batch.png."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from lbt.apps.plotting import batch_axis, figure, save_figure
+from lbt.apps.tune.grid import TuneGrid
+from lbt.apps.tune.trials import short
+from lbt.paths import atomic_write
+from lbt.spec.lr import scaling_factor
+from lbt.spec.objective import ACC, Metric, metric_named
+
+
+def fit_exponent(batches: list[float], lrs: list[float]) -> tuple[float, float]:
+    """Least-squares fit of lr = c x B^k in log-log space; returns (k, c).
+
+    Needs two distinct batches and positive LRs (ValueError otherwise).
+    """
+    points = [(math.log(b), math.log(lr)) for b, lr in zip(batches, lrs)]
+    if len(points) != len(batches) or len({x for x, _ in points}) < 2:
+        raise ValueError("fitting an exponent needs LRs at two or more distinct batches")
+    mean_x = statistics.fmean(x for x, _ in points)
+    mean_y = statistics.fmean(y for _, y in points)
+    k = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
+    return k, math.exp(mean_y - k * mean_x)
+
+
+def claimed_exponent(scaling: str) -> float:
+    """The exponent k of peak LR ∝ B^k that a scaling rule claims: none 0, sqrt 0.5, linear 1 (lbt.spec.lr)."""
+    return round(math.log2(scaling_factor(2, 1, scaling)), 9)
+
+
+def lr_fit(series: str, members: list[dict]) -> dict[str, Any]:
+    """One curve's best peak LRs against its batches, and the exponent they fit (None with a `note` if none)."""
+    usable = sorted((c for c in members if c["best"] and not c["best"]["diverged"] and (c["best"]["peak_lr"] or 0) > 0),
+                    key=lambda c: c["global_batch"])
+    fit = {"series": series, "scalings": sorted({c["scaling"] for c in members}),
+           "claimed": sorted({claimed_exponent(c["scaling"]) for c in members}),
+           "batches": [c["global_batch"] for c in usable], "peak_lrs": [c["best"]["peak_lr"] for c in usable],
+           "base_lrs": [c["best"]["base_lr"] for c in usable], "exponent": None, "coefficient": None,
+           "base_exponent": None}
+    try:
+        fit["exponent"], fit["coefficient"] = fit_exponent(fit["batches"], fit["peak_lrs"])
+        fit["base_exponent"] = fit_exponent(fit["batches"], fit["base_lrs"])[0]
+    except ValueError as error:
+        fit["note"] = str(error)
+    return fit
+
+
+def summarize(grid: TuneGrid, cells: list[dict]) -> dict:
+    """tune_summary.json: the protocol, every cell, and per curve the fitted exponent of the best peak LR."""
+    fits = [lr_fit(series, [c for c in cells if c["series"] == series])
+            for series in dict.fromkeys(c["series"] for c in cells)]
+    s = grid.settings
+    return {
+        "gaps": gaps_to_base(cells, s.metric),
+        "tune_dir": str(s.dir), "storage": f"sqlite:///{s.dir / 'optuna.db'}",
+        "settings": {"trials": s.trials, "seeds": s.seeds, "seed": s.seed, "startup_trials": s.startup_trials,
+                     "pruner": s.pruner, "prune_startup_trials": s.prune_startup_trials,
+                     "prune_after": s.prune_after, "sampler": "multivariate TPE", "metric": s.metric.name,
+                     "selected_on": f"final_val_{s.metric.name}"},
+        "overrides": grid.fixed, "cells": cells, "lr_fits": fits,
+    }
+
+
+def tuned_mean(cell: dict, split: str) -> float | None:
+    pair = (cell.get("tuned") or {}).get(f"{split}_mean_std")
+    return pair[0] if pair else None
+
+
+def gaps_to_base(cells: list[dict], metric: Metric = ACC) -> dict:
+    """Test accuracy (or loss: `metric`) lost at each batch against the tuned smallest batch, per curve and
+    for the best curve.
+
+    The reference is the smallest global batch's tuned run (the curve with the best tuned val mean, if
+    several reach that batch); at each larger batch the best curve is chosen on val too, and only its
+    test value is compared: test decides nothing. Gaps are in the metric's units (percentage points of
+    test accuracy, nats of test loss); positive: lost.
+    """
+    scored = [c for c in cells if tuned_mean(c, "val") is not None and tuned_mean(c, "test") is not None]
+    if not scored:
+        return {"reference": None, "batches": []}
+
+    def on_val(c: dict) -> float:
+        return metric.score(tuned_mean(c, "val"))
+
+    smallest = min(c["global_batch"] for c in scored)
+    reference = max((c for c in scored if c["global_batch"] == smallest), key=on_val)
+    ref_test = tuned_mean(reference, "test")
+    gaps = {"metric": metric.name, "reference": {"cell": reference["cell"], "series": reference["series"],
+                                                 "global_batch": smallest, f"test_{metric.name}": ref_test},
+            "batches": []}
+    for batch in sorted({c["global_batch"] for c in scored if c["global_batch"] > smallest}):
+        here = [c for c in scored if c["global_batch"] == batch]
+        best = max(here, key=on_val)
+        ratio = batch / smallest
+        row = {"global_batch": batch, "ratio": ratio, "best_series": best["series"],
+               "best_gap": metric.gap(tuned_mean(best, "test"), ref_test),
+               "per_series": {c["series"]: metric.gap(tuned_mean(c, "test"), ref_test) for c in here}}
+        gaps["batches"].append(row)
+        gaps[f"best_gap_{ratio:g}x"] = row["best_gap"]
+    return gaps
+
+
+def number(value: float | None, spec: str = ".4f") -> str:
+    """A table cell: `n/a` for a number not measured."""
+    return "n/a" if value is None or not math.isfinite(value) else format(value, spec)
+
+
+def mean_and_std(pair: list[float] | None) -> str:
+    return "n/a" if pair is None else f"{pair[0]:.4f} ± {pair[1]:.4f}"
+
+
+def markdown(summary: dict) -> str:
+    """The whole tune_report.md."""
+    metric = metric_named(summary["settings"].get("metric", "acc"), "tune.metric")
+    lines = protocol_lines(summary, metric) + lr_fit_lines(summary["lr_fits"])
+    lines += gap_lines(summary["gaps"], [fit["series"] for fit in summary["lr_fits"]], metric)
+    cells, m = summary["cells"], metric.name
+    for series in dict.fromkeys(c["series"] for c in cells):
+        lines += [f"## {series}", "",
+                  f"| global batch | world size | trials (pruned, diverged) | best trial: val {m} | tuned val {m} | "
+                  f"tuned test {m} | untuned val {m} | untuned test {m} | test gained by tuning ({metric.unit}s) | "
+                  "best values | best peak LR |",
+                  "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+        lines += [cell_row(c, metric) for c in sorted((c for c in cells if c["series"] == series),
+                                                       key=lambda c: c["global_batch"])]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def protocol_lines(summary: dict, metric: Metric) -> list[str]:
+    """What every cell got: the budget, the sampler, the pruning, the seeds of the final runs."""
+    s, cells = summary["settings"], summary["cells"]
+    pruning = ("no pruning" if s["pruner"] == "none" else
+               f"{s['pruner']} pruning past {100 * s['prune_after']:g}% of a trial's samples, once "
+               f"{s['prune_startup_trials']} trials of the cell finished")
+    seeds = next((c[kind]["seeds"] for c in cells for kind in ("tuned", "default") if c.get(kind, {}).get("seeds")), [])
+    untuned = any(c["default"]["seeds"] for c in cells)
+    return [
+        f"# Tuning report: {summary['tune_dir']}", "",
+        f"Every cell got the same budget: **{s['trials']} trials** of {s['sampler']} (seed {s['seed']}, the first "
+        f"{s['startup_trials']} random) over its recipe's `tune.space`, each a full `lbt train` run selected on its "
+        f"final **val** {metric.label} ({metric.direction}d); {pruning}; a "
+        f"diverged trial counts, as {metric.worst:g}. The best trial's values (**tuned**)"
+        + (" and the recipe's **untuned** defaults" if untuned else " (tune.untuned=false: not the untuned defaults)")
+        + f" were then trained with seeds {', '.join(map(str, seeds))} (not the "
+        "trials' seed) and scored on val and, once, on **test**: the gap between the two is how much of the "
+        f"{metric.label} lost at a batch was mis-tuning.", "",
+        f"Overrides of every run: `{' '.join(summary['overrides']) or '(none)'}`. "
+        f"Trials: `optuna-dashboard {summary['storage']}`. The final runs read with `lbt report` too: "
+        "`final/` (tuned and untuned side by side), `final/tuned`, `final/default`.", "",
+    ]
+
+
+def lr_fit_lines(fits: list[dict]) -> list[str]:
+    """The table of fitted LR exponents against the ones the scaling rules claim, and its figure."""
+    lines = [
+        "## Best LR vs global batch", "",
+        "Fitted is the exponent k of the best trial's **effective peak LR** ∝ B^k (result.json `peak_lr` = "
+        "`optim.lr` x scaling(B / `schedule.base_batch`), the LR the run reaches), not of the tuned `optim.lr` "
+        "(the base LR before scaling, whose exponent is shown beside it). A scaling rule claims k = 1 (linear), "
+        "0.5 (sqrt) or 0 (none); a fitted k below the claim means the rule scales the LR too fast here.", "",
+        "| recipe | claims (schedule.scaling) | fitted k, peak LR | fitted k, optim.lr | batches | best peak LRs |",
+        "| --- | --- | ---: | ---: | --- | --- |",
+    ]
+    for fit in fits:
+        claim = ", ".join(f"{c:g}" for c in fit["claimed"]) + f" ({', '.join(fit['scalings'])})"
+        fitted = number(fit["exponent"], ".2f") if fit["exponent"] is not None else f"n/a: {fit.get('note')}"
+        row = [fit["series"], claim, fitted, number(fit["base_exponent"], ".2f"),
+               ", ".join(f"{b:,}" for b in fit["batches"]), ", ".join(f"{v:.3g}" for v in fit["peak_lrs"])]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines + ["", "![best peak LR vs global batch](best_lr_vs_batch.png)", ""]
+
+
+def gap_lines(gaps: dict, series: list[str], metric: Metric = ACC) -> list[str]:
+    """The table of test points (or nats of loss) lost against the tuned smallest batch."""
+    ref = gaps.get("reference")
+    if not ref:
+        return []
+    unit, spec = f"{metric.unit}s", metric.gap_spec
+    lines = [f"## Test {metric.label} lost against the tuned smallest batch", "",
+             f"Reference: {ref['series']} at global batch {ref['global_batch']:,}, tuned, test {metric.name} "
+             f"{metric.show(ref[f'test_{metric.name}'])}{metric.suffix}. {unit.capitalize()} lost on test (mean over "
+             "the seeds; negative: gained). The best recipe at a batch is the one with the best tuned **val** mean "
+             "there; test only scores it.", "",
+             f"| global batch | x | best on val | best: {unit} lost | " + " | ".join(series) + " |",
+             "| ---: | ---: | --- | ---: |" + " ---: |" * len(series)]
+    for row in gaps["batches"]:
+        per = [number(row["per_series"].get(name), spec) for name in series]
+        lines.append(f"| {row['global_batch']:,} | {row['ratio']:g} | {row['best_series']} | "
+                     f"{format(row['best_gap'], spec)} | " + " | ".join(per) + " |")
+    return lines + [""]
+
+
+def cell_row(c: dict, metric: Metric = ACC) -> str:
+    """One row of a recipe's table: the cell's trials, its best trial, tuned and untuned finals over seeds."""
+    t, best, tuned, default = c["trials"], c["best"], c.get("tuned"), c["default"]
+
+    def finals(runs: dict | None, split: str) -> str:
+        text = mean_and_std(runs and runs[f"{split}_mean_std"])
+        return text + (f" ({runs['diverged']} diverged)" if runs and runs["diverged"] and split == "val" else "")
+
+    gain = None
+    if tuned and tuned["test_mean_std"] and default["test_mean_std"]:
+        gain = metric.gap(default["test_mean_std"][0], tuned["test_mean_std"][0])
+    cells = [f"{c['global_batch']:,}", str(c["world_size"]), f"{t['counted']} ({t['pruned']}, {t['diverged']})",
+             f"#{best['trial']}: {best[f'val_{metric.name}']:.4f}" if best else "none finished",
+             finals(tuned, "val"), finals(tuned, "test"), finals(default, "val"), finals(default, "test"),
+             number(gain, metric.gap_spec),
+             ", ".join(f"`{k}={short(v)}`" for k, v in best["params"].items()) if best else "",
+             number(best["peak_lr"], ".4g") if best else "n/a"]
+    return "| " + " | ".join(cells) + " |"
+
+
+def plot_best_lr(summary: dict, path: Path) -> None:
+    """Best effective peak LR vs global batch, log-log, with each curve's fitted power law."""
+    fig, ax = figure()
+    for fit in summary["lr_fits"]:
+        if not fit["batches"]:
+            continue
+        claim = "/".join(f"{c:g}" for c in fit["claimed"])
+        label = fit["series"] + (f": k={fit['exponent']:.2f} (claims {claim})" if fit["exponent"] is not None else "")
+        dots = ax.scatter(fit["batches"], fit["peak_lrs"], label=label)
+        if fit["exponent"] is not None:
+            xs = sorted(fit["batches"])
+            ax.plot(xs, [fit["coefficient"] * x ** fit["exponent"] for x in xs], "--", color=dots.get_facecolor()[0])
+    batch_axis(ax)
+    ax.set_yscale("log")
+    ax.set_ylabel("best peak LR (optim.lr x scaling)")
+    ax.set_title("Best LR vs global batch (tuned on val; dashed: fitted power law)")
+    ax.grid(True, which="both", alpha=0.3)
+    if ax.collections:
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no cell has a best trial that did not diverge", ha="center", transform=ax.transAxes)
+    save_figure(fig, path)
+
+
+def write_tune_report(folder: Path, summary: dict) -> None:
+    plot_best_lr(summary, folder / "best_lr_vs_batch.png")
+    atomic_write(folder / "tune_summary.json", lambda f: f.write(json.dumps(summary, indent=2).encode()))
+    atomic_write(folder / "tune_report.md", lambda f: f.write(markdown(summary).encode()))

@@ -1,0 +1,212 @@
+"""A cell's trials: an Optuna study per cell, TPE draws from the recipe's space, each draw one `lbt train` run."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy
+import optuna
+
+from lbt.apps.compose import compose
+from lbt.apps.tune.grid import Cell, TuneGrid
+from lbt.engine import make_spec, run
+from lbt.errors import ConfigError
+from lbt.spec.objective import ACC, Metric
+from lbt.spec.result import EvalPoint, RunResult
+from lbt.techniques.base import Technique
+
+# Overrides that change how a run is shown, not what it measures: a tune continued with others is the same tune.
+PRESENTATION_KEYS = ("trainer.threads", "trainer.progress")
+TrialState = optuna.trial.TrialState
+
+
+class Stopped(Exception):
+    """A run was stopped by SIGTERM/SIGINT: the tune stops, to be continued by the same command."""
+
+
+class PruneOnVal(Technique):
+    """Hands each evaluation of the val split (its `metric`) to an Optuna trial and stops the run when its
+    pruner says so.
+
+    Pruning is asked only past `prune_after` of the run's samples (a long warmup trails early; None:
+    never, the trial only reports) and never at the last evaluation (the run is done: its final
+    value counts). Raising TrialPruned unwinds the run; `run_trial` catches it.
+    """
+
+    name = "tune_pruning"
+    order = 99  # after every technique that changes the run's layouts (batch ramp: 5)
+
+    def __init__(self, trial: optuna.Trial, prune_after: float | None, metric: Metric = ACC):
+        self.trial, self.prune_after, self.metric = trial, prune_after, metric
+        self.total_samples = 0
+
+    def epoch_layouts(self, layouts: list, num_train: int, after_epoch: int | None = None,
+                      samples_seen: int = 0) -> list:
+        self.total_samples = sum((num_train // layout.global_batch) * layout.global_batch for layout in layouts)
+        return layouts
+
+    def after_eval(self, point: EvalPoint) -> None:
+        value = getattr(point, self.metric.name)
+        self.trial.report(value, point.samples_seen)
+        if self.prune_after is None or not self.prune_after * self.total_samples <= point.samples_seen \
+                < self.total_samples:
+            return
+        if self.trial.should_prune():
+            raise optuna.TrialPruned(f"val {self.metric.name} {value:.4f} at {point.samples_seen:,} samples")
+
+
+def open_study(storage: Any, grid: TuneGrid, cell: Cell) -> optuna.Study:
+    """The cell's Optuna study (created, or loaded to continue); refused if it was tuned under other settings."""
+    s = grid.settings
+    pruners = {"median": lambda: optuna.pruners.MedianPruner(n_startup_trials=0),  # PruneOnVal waits instead
+               "halving": optuna.pruners.SuccessiveHalvingPruner,
+               "hyperband": optuna.pruners.HyperbandPruner,
+               "none": optuna.pruners.NopPruner}
+    direction = s.metric.direction
+    study = optuna.create_study(storage=storage, study_name=cell.name, direction=direction,
+                                pruner=pruners[s.pruner](), load_if_exists=True)
+    if study.direction.name.lower() != direction:  # a loaded study keeps the direction it was created with
+        raise ConfigError(f"{s.dir} holds trials of cell {cell.name!r} that {study.direction.name.lower()}d their "
+                          f"value, and tune.metric={s.metric.name} {direction}s it; pick another tune.dir")
+    identity = {"overrides": identity_overrides(grid), "space": cell.space}
+    if not study.user_attrs:
+        for key, value in identity.items():
+            study.set_user_attr(key, value)
+    elif {k: study.user_attrs.get(k) for k in identity} != json.loads(json.dumps(identity)):
+        raise ConfigError(f"{s.dir} holds trials of cell {cell.name!r} run with other overrides or another "
+                          f"search space ({' '.join(study.user_attrs.get('overrides') or [])}); pick another tune.dir")
+    return study
+
+
+def identity_overrides(grid: TuneGrid) -> list[str]:
+    """The overrides that change what a cell measures (not how it is shown), sorted."""
+    return sorted(o for o in grid.fixed if o.split("=", 1)[0].lstrip("+~") not in PRESENTATION_KEYS)
+
+
+def tune_cell(grid: TuneGrid, cell: Cell, study: optuna.Study, new_runs: dict) -> None:
+    """Run the cell's trials until it has tune.trials finished or pruned ones."""
+    s = grid.settings
+    done_states = (TrialState.COMPLETE, TrialState.PRUNED)
+    for stale in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        # A trial left running by a process that was killed: it is run again, as a new trial.
+        study.tell(stale.number, state=TrialState.FAIL, skip_if_finished=True)
+    done = len(study.get_trials(deepcopy=False, states=done_states))
+    if done >= s.trials:
+        print(f"[{cell.name}] {done} of {s.trials} trials done before", flush=True)
+    while done < s.trials:
+        # Seeded per trial, so a trial redone after an interruption draws what it drew then; the seed is
+        # hashed from (tune.seed, trial), since consecutive seeds give NumPy's RandomState close first draws.
+        seed = int(numpy.random.SeedSequence([s.seed, done]).generate_state(1)[0])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            study.sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=s.startup_trials,
+                                                       multivariate=True)
+        finished = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+        run_trial(study, grid, cell, done, armed=finished >= s.prune_startup_trials)
+        new_runs["trials"] += 1
+        done = len(study.get_trials(deepcopy=False, states=done_states))
+
+
+def run_trial(study: optuna.Study, grid: TuneGrid, cell: Cell, done: int, armed: bool) -> None:
+    """One trial: sample the space, train, tell Optuna the final val accuracy or loss (tune.metric; or pruned,
+    or the metric's worst value if diverged).
+
+    `armed`: the cell has prune_startup_trials finished trials, so the pruner has something to compare with.
+    """
+    trial = study.ask()
+    params = {key: suggest(trial, key, values) for key, values in cell.space.items()}
+    overrides = [f"{key}={hydra_value(value)}" for key, value in params.items()]
+    metric = grid.settings.metric
+    pruning = PruneOnVal(trial, grid.settings.prune_after if armed else None, metric)
+    started, shown = time.perf_counter(), shown_values(params)
+    head = f"[{cell.name}] trial {trial.number} ({done + 1}/{grid.settings.trials})"
+    try:
+        result = train_run(grid, cell, overrides, grid.settings.dir / "trials" / cell.folder / str(trial.number),
+                           {"params": params}, [pruning])
+    except optuna.TrialPruned as error:
+        study.tell(trial, state=TrialState.PRUNED)
+        print(f"{head}: pruned ({error}) {shown} ({time.perf_counter() - started:.0f} s)", flush=True)
+        return
+    except ConfigError as error:  # e.g. a sampled value the config refuses
+        study.tell(trial, state=TrialState.FAIL)
+        raise ConfigError(f"[{cell.name}] trial {trial.number} ({shown}): {error}") from None
+    except BaseException:  # a crash or Ctrl-C: the trial is run again, as a new one, next time
+        study.tell(trial, state=TrialState.FAIL)
+        raise
+    if result.stopped:
+        study.tell(trial, state=TrialState.FAIL)
+        raise Stopped
+    value = final_value(result, metric)
+    for key in ("global_batch", "base_lr", "peak_lr"):
+        trial.set_user_attr(key, getattr(result, key))
+    trial.set_user_attr("diverged", value is None)
+    # A diverged trial spent the budget like any other: it counts, with the worst value (accuracy 0, loss inf).
+    study.tell(trial, metric.worst if value is None else value)
+    state = f"diverged, counted as val_{metric.name}={metric.worst:g}" if value is None \
+        else f"val_{metric.name}={value:.4f}"
+    print(f"{head}: {state} {shown} ({time.perf_counter() - started:.0f} s)", flush=True)
+
+
+def final_value(result: RunResult, metric: Metric) -> float | None:
+    """The run's final val value of `metric`; None if it diverged (or has none)."""
+    value = getattr(result, f"final_{metric.name}")
+    return None if result.diverged or not math.isfinite(value) else value
+
+
+def train_run(grid: TuneGrid, cell: Cell, overrides: list[str], run_dir: Path, tune_record: dict,
+              techniques: list[Technique] | tuple = (), resume: bool = False,
+              shown_overrides: list[str] | None = None) -> RunResult:
+    """One run of the cell with `overrides`, as `lbt train` composes it, in this process, quietly (its text log
+    is run_dir/train.log).
+
+    `shown_overrides` stand for `overrides` in the result (and so in `lbt report`'s series names): a final
+    run is named by its kind and seed, not by the tuned values it trains.
+    """
+    composed = compose(grid.head + grid.fixed + cell.axes + overrides, job_name="lbt_tune")
+    config = composed.config
+    config["tune"] = {**{k: v for k, v in (config.get("tune") or {}).items() if k not in ("grid", "space")},
+                      "cell": cell.name, **tune_record}
+    if resume:
+        config["trainer"]["resume"] = "auto"
+    shown = overrides if shown_overrides is None else shown_overrides
+    spec = make_spec(config, composed.recipe, grid.fixed + cell.axes + shown)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+        return run(spec, run_dir, list(techniques))
+
+
+def suggest(trial: optuna.Trial, key: str, values: dict) -> Any:
+    """Draw one value of a search-space entry (grid.check_range accepted it)."""
+    if "choices" in values:
+        return trial.suggest_categorical(key, list(values["choices"]))
+    log, step = bool(values.get("log")), values.get("step")
+    if values.get("int"):
+        return trial.suggest_int(key, int(values["low"]), int(values["high"]), step=int(step or 1), log=log)
+    return trial.suggest_float(key, float(values["low"]), float(values["high"]), step=step, log=log)
+
+
+def hydra_value(value: Any) -> str:
+    """A sampled value as a Hydra override's value."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def shown_values(params: dict) -> str:
+    """`key=value` pairs for the terminal, floats to 4 significant digits."""
+    return " ".join(f"{k}={short(v)}" for k, v in params.items())
+
+
+def short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

@@ -1,0 +1,256 @@
+"""Checkpoints that make a resumed run continue exactly where the stopped one was.
+
+Layout in the run folder:
+
+    checkpoint/step_<S>/rank<r>.pt     rank 0: model, optimizer, loop state and result so far;
+                                       every rank: its BN buffers, RNG states and technique state
+    checkpoint/step_<S>/manifest.json  each file's SHA-256, the process count and the run's config
+    checkpoint/latest.json             the newest step folder (for people and scripts; loading
+                                       trusts the manifests)
+
+A checkpoint is complete or absent: every rank writes into `step_<S>.partial/`,
+rank 0 then hashes the files, writes the manifest and renames the folder to
+`step_<S>` (one rename(2): a kill or a full disk at any moment leaves the
+previous checkpoints as they were). The last `keep` checkpoints stay, so a
+damaged newest one (a bad disk, a truncated copy) is detected by its checksums
+and the one before is used. The manifest's config ties a checkpoint to its run:
+resuming with a different run-defining config is refused (lbt.spec.run.run_identity).
+Files hold tensors and plain Python values only, so they load with
+torch.load(weights_only=True).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from lbt.errors import ConfigError
+from lbt.parallel.process_group import DistContext
+from lbt.parallel.tensor_parallel import full_tensors, load_full_state
+from lbt.paths import atomic_write
+from lbt.spec.result import EvalPoint, RunResult
+from lbt.spec.run import identity_differences
+
+LATEST = "latest.json"
+MANIFEST = "manifest.json"
+PARTIAL = ".partial"  # a step folder being written
+DAMAGED = ".damaged"  # a step folder that failed its checksums, kept aside for inspection
+# Bumped when what a checkpoint holds changes (an older one is refused with one line, not misread).
+FORMAT = 4
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _step_of(folder: Path) -> int:
+    return int(folder.name.removeprefix("step_"))
+
+
+class Checkpointer:
+    def __init__(self, run_dir: str | Path, rank: int, procs: int, keep: int = 2, identity: dict | None = None):
+        self.root = Path(run_dir) / "checkpoint"
+        self.rank, self.procs, self.keep = rank, procs, keep
+        self.identity = identity or {}
+
+    # -- writing --------------------------------------------------------------
+    def save(self, step: int, main_state: dict, rank_state: dict) -> None:
+        partial = self.root / f"step_{step}{PARTIAL}"
+        payload = {**rank_state, **(main_state if self.rank == 0 else {})}
+        with self._writing():
+            partial.mkdir(parents=True, exist_ok=True)
+            atomic_write(partial / f"rank{self.rank}.pt", lambda f: torch.save(payload, f))
+        if self.procs > 1:
+            dist.barrier()  # every rank's file is on disk before rank 0 publishes the folder
+        if self.rank == 0:
+            with self._writing():
+                self._publish(partial, step)
+            self._prune()
+
+    def _publish(self, partial: Path, step: int) -> None:
+        """Manifest, then one rename: the step folder appears complete or not at all."""
+        files = {f"rank{r}.pt": file_sha256(partial / f"rank{r}.pt") for r in range(self.procs)}
+        manifest = {"step": step, "procs": self.procs, "format": FORMAT, "files": files, "run": self.identity}
+        atomic_write(partial / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+        folder = self.root / f"step_{step}"
+        if folder.exists():  # the same step saved again, by a run resumed from an earlier checkpoint
+            shutil.rmtree(folder)
+        os.replace(partial, folder)
+        _fsync_dir(self.root)
+        meta = {"step": step, "folder": folder.name, "procs": self.procs, "format": FORMAT}
+        atomic_write(self.root / LATEST, lambda f: f.write(json.dumps(meta).encode()))
+
+    def _prune(self) -> None:
+        """Keep the newest `keep` checkpoints; drop older ones and what failed writes left behind."""
+        for old in self._complete()[self.keep:]:
+            shutil.rmtree(old, ignore_errors=True)
+        for leftover in self.root.glob(f"step_*{PARTIAL}"):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+    @contextmanager
+    def _writing(self) -> Iterator[None]:
+        try:
+            yield
+        except OSError as error:  # a full disk, a read-only folder: the previous checkpoints are intact
+            raise ConfigError(f"cannot write checkpoint under {self.root}: {error.strerror or error}; "
+                              f"the previous checkpoint is intact") from None
+
+    # -- reading --------------------------------------------------------------
+    def _complete(self) -> list[Path]:
+        """Published step folders, newest first."""
+        folders = [p for p in self.root.glob("step_*") if p.is_dir() and p.name.removeprefix("step_").isdigit()]
+        return sorted(folders, key=_step_of, reverse=True)
+
+    def latest(self) -> dict | None:
+        path = self.root / LATEST
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def refuse_other_run(self, tidy: bool = True) -> None:
+        """A fresh start must not leave an earlier run's checkpoint for a later resume to pick up, nor mix
+        its checkpoints with that run's. `tidy`: remove what a run killed in its first checkpoint left."""
+        folders = self._complete()
+        if folders:
+            raise ConfigError(
+                f"{self.root.parent} already holds a checkpoint (step {_step_of(folders[0])}); continue that run "
+                "with trainer.resume=auto, or start this one in another folder (hydra.run.dir=...)")
+        if tidy and self.rank == 0:
+            self._prune()
+
+    def check_newest_belongs(self) -> None:
+        """The newest readable manifest against this run, without reading the checkpoint files
+        (a quick check before anything is written; load_latest checks again, with the checksums)."""
+        for folder in self._complete():
+            try:
+                manifest = json.loads((folder / MANIFEST).read_text())
+                manifest["procs"]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # damaged: load_latest falls back, and says so
+            self._check_belongs(manifest)
+            return
+
+    def load_latest(self) -> tuple[dict, dict] | None:
+        """(rank 0's main state, this rank's own state) of the newest intact checkpoint; None, with a note, if none.
+
+        Rank 0 checks the checksums and tells the others which folder to load, so all ranks load the same one.
+        """
+        choice = self._choose() if self.rank == 0 else None
+        if self.procs > 1:
+            holder = [choice]
+            dist.broadcast_object_list(holder, src=0)
+            choice = holder[0]
+        if choice is None:
+            if self.rank == 0:
+                print(f"lbt: note: no checkpoint in {self.root}; starting from scratch", file=sys.stderr, flush=True)
+            return None
+        if isinstance(choice, str):  # every rank raises the same error; rank 0 prints it
+            raise ConfigError(choice)
+        name, manifest = choice
+        self._check_belongs(manifest)
+        folder = self.root / name
+        main = torch.load(folder / "rank0.pt", weights_only=True, map_location="cpu")
+        own = main if self.rank == 0 else torch.load(folder / f"rank{self.rank}.pt", weights_only=True,
+                                                      map_location="cpu")
+        return main, own
+
+    def _choose(self) -> tuple[str, dict] | str | None:
+        """The newest step folder whose files match their manifest, or an error message, or None."""
+        meta = self.latest()
+        if meta is not None and meta.get("format", 1) != FORMAT:
+            return (f"the checkpoint in {self.root} is in format {meta.get('format', 1)} of an older lbt, which this "
+                    f"one (format {FORMAT}) cannot continue; start a new run folder")
+        damaged: list[Path] = []
+        problems: list[str] = []
+        for folder in self._complete():
+            manifest, problem = _verify(folder)
+            if manifest is not None:
+                for bad in damaged:
+                    os.replace(bad, bad.with_name(bad.name + DAMAGED))
+                if damaged:
+                    print(f"lbt: note: moved the damaged checkpoint(s) aside "
+                          f"({', '.join(b.name + DAMAGED for b in damaged)}); resuming from {folder.name}",
+                          file=sys.stderr, flush=True)
+                return folder.name, manifest
+            print(f"lbt: note: checkpoint {folder} is damaged ({problem}); trying the one before",
+                  file=sys.stderr, flush=True)
+            damaged.append(folder)
+            problems.append(f"{folder.name}: {problem}")
+        if damaged:
+            return f"no intact checkpoint in {self.root} ({'; '.join(problems)}); start a new run folder"
+        return None
+
+    def _check_belongs(self, manifest: dict) -> None:
+        if manifest["procs"] != self.procs:
+            raise ConfigError(
+                f"the checkpoint in {self.root} was written by {manifest['procs']} processes; "
+                f"resume it with dist.procs={manifest['procs']}"
+            )
+        differ = identity_differences(manifest.get("run", {}), self.identity)
+        if differ:
+            raise ConfigError(
+                f"the checkpoint in {self.root} belongs to another run: {', '.join(differ)}; resume with the "
+                "checkpoint's values, or start this run in another folder (hydra.run.dir=...)"
+            )
+
+
+def _verify(folder: Path) -> tuple[dict | None, str | None]:
+    """(manifest, None) when every file matches its recorded checksum, else (None, what is wrong)."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        if manifest.get("format") != FORMAT:
+            return None, f"format {manifest.get('format')}, expected {FORMAT}"
+        for name, digest in manifest["files"].items():
+            path = folder / name
+            if not path.is_file():
+                return None, f"{name} is missing"
+            if file_sha256(path) != digest:
+                return None, f"{name} does not match its checksum"
+        return manifest, None
+    except (OSError, ValueError, KeyError, AttributeError) as error:
+        return None, f"unreadable manifest: {error}"
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename in `path` durable (a power cut after it must not undo it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def full_state(state: dict, ctx: DistContext) -> dict:
+    """A model's or optimizer's state dict as one process would save it: under tensor parallelism every
+    split tensor gathered whole (a collective: every rank calls it)."""
+    return full_tensors(state) if ctx.tensor_parallel > 1 else state
+
+
+def load_model_and_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
+                             optimizer_state: dict, ctx: DistContext) -> None:
+    """Load what `full_state` saved (split again into this rank's shards under tensor parallelism)."""
+    if ctx.tensor_parallel > 1:
+        load_full_state(model, optimizer, model_state, optimizer_state)
+    else:
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(optimizer_state)
+
+
+def checkpointed_result(result: RunResult) -> dict:
+    """The result so far, as plain values (the step timings restart with the resumed run)."""
+    return {k: v for k, v in asdict(result).items() if k not in ("stopped", "step_seconds")}
+
+
+def restored_result(values: dict) -> RunResult:
+    return RunResult(**{**values, "history": [EvalPoint(**point) for point in values["history"]]})

@@ -1,0 +1,1 @@
+"""Step strategies: synchronous SGD (base.py), local SGD and gradient delay."""

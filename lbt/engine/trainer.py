@@ -1,0 +1,324 @@
+"""The training loop: fit() -> train_epoch() -> one step (lbt/engine/step.py), and evaluate().
+
+    while steps are left:                      # fit
+        for each step of the epoch:            # train_epoch
+            write the LR of samples seen into the optimizer (lbt/spec/lr.py)
+            step = strategy's step over this process's workers (lbt/engine/step.py)
+            every log_every steps: log train/* summed over processes (all ranks agree to stop there)
+            at evaluation steps: evaluate the held-out split
+        end of epoch: evaluate, let techniques re-lay the next epochs (batch ramp), checkpoint
+    test split once; the run's totals in the RunResult
+
+Techniques hook in at the points listed in lbt/techniques/base.py; the step strategy at those in
+lbt/engine/strategies/base.py.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable
+
+import torch
+
+from lbt.data.batches import StepBatches
+from lbt.engine.build import Parts
+from lbt.engine.checkpoint import (
+    Checkpointer,
+    checkpointed_result,
+    full_state,
+    load_model_and_optimizer,
+    restored_result,
+)
+from lbt.engine.evaluate import evaluate
+from lbt.engine.precision import Precision, memory_format
+from lbt.engine.step import LoopState, StepRunner
+from lbt.metrics.tensorboard import RunLogger
+from lbt.metrics.text_log import say_once
+from lbt.metrics.timing import StepTimer
+from lbt.metrics.window import TrainWindow
+from lbt.parallel.process_group import DistContext, average_buffers
+from lbt.rng import rng_state, set_rng_state
+from lbt.spec.batching import BatchLayout, Budget
+from lbt.spec.lr import optimizer_settings, peak
+from lbt.spec.objective import ACC, LOSS
+from lbt.spec.result import EvalPoint, RunResult
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    seed: int = 0
+    log_every: int = 10
+    progress: bool = True
+    eval_batch: int = 1024
+    evals: int = 20  # evaluations spaced log-uniformly in samples seen, besides those at epoch ends
+    fuse_workers: bool | str = "auto"  # see lbt/engine/passes.py: workers_per_pass
+    checkpoint_every: int = 0  # epochs; 0 = only when stopped by a signal
+    compile: bool = False  # torch.compile the training forward
+    channels_last: bool = False  # inputs (and the model, lbt/engine/build.py) in channels_last layout
+    loader_workers: int = 0  # DataLoader worker processes, for datasets read sample by sample
+
+
+def evaluation_steps(budget: Budget, evals: int) -> frozenset[int]:
+    """Steps (counted as done) after which to evaluate: every epoch's end, and `evals` points
+    log-spaced in samples seen from the first step to the end, so steps-to-target is resolved at
+    every batch size (at batch 64 an epoch is ~840 steps; at 8,192 the run is 60)."""
+    ends, done = set(), 0
+    for steps in budget.steps:
+        done += steps
+        if steps:
+            ends.add(done)
+    first, total = budget.layouts[0].global_batch, budget.total_samples
+    spaced = (first * (total / first) ** (i / max(evals - 1, 1)) for i in range(evals)) if evals else ()
+    return frozenset(ends | {budget.step_boundary(samples)[0] for samples in spaced} - {0})
+
+
+class Trainer:
+    stop_requested: bool  # set by SIGTERM/SIGINT (lbt.engine.worker.stop_on_signals)
+    on_step: Callable[[int], None] | None  # told each finished step (the local launcher's record of progress)
+
+    def __init__(self, parts: Parts, ctx: DistContext, settings: LoopSettings, logger: RunLogger | None = None,
+                 checkpointer: Checkpointer | None = None, precision: Precision | None = None):
+        self.parts, self.ctx, self.settings = parts, ctx, settings
+        self.model, self.techniques, self.strategy = parts.model, parts.techniques, parts.strategy
+        self.budget, self.schedule, self.data = parts.budget, parts.schedule, parts.data
+        self.precision = precision or Precision("fp32", ctx.device.type)
+        self.log, self.checkpointer = logger or RunLogger(None), checkpointer
+        self.timer = StepTimer(ctx.device)
+        self.runner = StepRunner(parts.model, parts.optimizer, parts.loss_fn, parts.techniques, parts.strategy, ctx,
+                                 self.precision, settings.fuse_workers, settings.compile, self.timer)
+        self.runner.prepare(self.budget.layouts, self.budget.layouts[0])
+        self.memory_format = memory_format(settings.channels_last)
+        self.step_batches: dict[BatchLayout, StepBatches] = {}  # one per batch layout: its DataLoader lives on
+        self.lr_follows_batch = any(t.lr_follows_batch for t in parts.techniques)
+        # Log every log_every steps, at each epoch's end, and at the step that takes the peak LR.
+        self.window = TrainWindow(settings.log_every, self.budget.step_boundary(peak(self.schedule, self.budget)[1])[0])
+        # The held-out split evaluated while training: val, or test when there is no validation split.
+        has_val = parts.data.val is not None
+        self.eval_split, self.eval_set = ("val", parts.data.val) if has_val else ("test", parts.data.test)
+        self.eval_steps = evaluation_steps(self.budget, settings.evals)
+        self.state, self.result, self.stop_requested = LoopState(), RunResult(eval_split=self.eval_split), False
+        self.on_step = None
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.parts.optimizer
+
+    def set_budget(self, budget: Budget) -> None:
+        """Continue under other batch layouts for the epochs to come (an automatic batch ramp decided them):
+        the LR decay ends with the new last step, evaluations are spaced over the new steps."""
+        self.budget = budget
+        self.schedule = replace(self.schedule, total_samples=budget.total_samples)
+        self.eval_steps = evaluation_steps(budget, self.settings.evals)
+
+    # -- the loop -------------------------------------------------------------
+    def fit(self) -> RunResult:
+        """Epochs until the budget is spent, the loss diverges or a signal asks to stop."""
+        started = time.perf_counter()
+        while self.state.step < self.budget.total_steps:
+            epoch_start, evaluating = time.perf_counter(), self.result.eval_seconds
+            train_loss = self.train_epoch()
+            # Training time only: the evaluations inside the epoch count in eval_seconds.
+            self.result.train_seconds += time.perf_counter() - epoch_start - (self.result.eval_seconds - evaluating)
+            if self.result.stopped:
+                self.save_checkpoint()
+                s = self.state
+                self.say(f"stopped at step {s.step} (epoch {s.epoch + 1}, step {s.step_in_epoch} of it); "
+                         "checkpoint saved: continue with trainer.resume=auto in the same run folder")
+                return self.result
+            if not self.end_epoch(train_loss):
+                break
+        self.finish(started)
+        return self.result
+
+    def train_epoch(self) -> float:
+        """Train (the rest of) the current epoch; return its mean loss over all workers."""
+        s, layout = self.state, self.budget.layouts[self.state.epoch]
+        steps = self.budget.steps[s.epoch]
+        self.model.train()
+        if s.step_in_epoch == 0:
+            for technique in self.techniques:
+                technique.on_epoch_start(s.epoch, self.model)
+        self.runner.prepare(self.budget.layouts, layout)
+        bar = self._bar(s.epoch, steps, s.step_in_epoch)  # the steps this epoch takes (max_steps may cut it)
+        self.window.start()
+        self.timer.phase("data")
+        for inputs, labels in self.batches(layout).epoch(s.epoch, s.step_in_epoch, steps):
+            self.timer.phase("compute")  # the wait for the step's batch ends here
+            lr = self.set_lr(layout)
+            log_now = self.window.should_log(s.step, last_of_epoch=s.step_in_epoch == steps - 1)
+            loss, correct = self.runner.step(s, layout, inputs, labels, self.data.num_train,
+                                             count_correct=log_now and bar is not None)
+            self.timer.end_step()
+            s.step, s.step_in_epoch = s.step + 1, s.step_in_epoch + 1
+            s.samples_seen += layout.global_batch
+            if self.on_step is not None:
+                self.on_step(s.step)
+            self.window.add(loss)
+            leave = log_now and self.log_window(layout, lr, correct / labels.numel(), bar, steps)
+            if s.step in self.eval_steps and s.step_in_epoch < steps:  # an epoch's end evaluates in end_epoch
+                self.validate(layout)
+            if leave:
+                break
+            if bar is not None:
+                bar.update()
+            self.timer.phase("data")
+        self.timer.drop()  # the wait that found no more batches
+        if bar is not None:
+            bar.close()
+        return s.epoch_loss_sum / max(s.epoch_loss_count, 1)
+
+    def batches(self, layout: BatchLayout) -> StepBatches:
+        if layout not in self.step_batches:
+            self.step_batches[layout] = StepBatches(self.data.train, layout, self.ctx.dp_rank, self.settings.seed,
+                                                    self.ctx.device, self.settings.loader_workers, self.memory_format)
+        return self.step_batches[layout]
+
+    def log_window(self, layout: BatchLayout, lr: float, local_acc: float, bar: Any, steps: int) -> bool:
+        """Log train/* over the window of steps since the last log; True when the epoch must end now."""
+        s = self.state
+        # Summed over processes at a cadence every rank agrees on, so all of them
+        # see the same loss (and stop request) and act together.
+        window = self.window.close(self.stop_requested, self.ctx, layout.global_batch)
+        self.log.scalars({"train/loss": window.mean_loss, "train/lr": lr, "train/global_batch": layout.global_batch,
+                          "perf/samples_per_sec": window.samples_per_sec, **self.timer.window_means(),
+                          **self.precision.metrics(), **self.technique_metrics()}, s.step, s.samples_seen)
+        s.epoch_loss_sum += window.loss_sum
+        s.epoch_loss_count += window.count
+        if bar is not None:
+            bar.set_postfix(loss=f"{window.mean_loss:.4f}", acc=f"{local_acc:.3f}",
+                            sps=f"{window.samples_per_sec:,.0f}")
+        if not math.isfinite(window.mean_loss):
+            return True
+        # A stop asked for in the epoch's last step waits for the evaluation.
+        self.result.stopped = window.stop and s.step_in_epoch < steps
+        return self.result.stopped
+
+    def end_epoch(self, train_loss: float) -> bool:
+        """Evaluate, log and maybe checkpoint after an epoch; False when the run diverged."""
+        s, result = self.state, self.result
+        result.final_train_loss = train_loss
+        if not math.isfinite(train_loss):
+            result.diverged = True
+            self.say(f"epoch {s.epoch + 1}: train loss is {train_loss}; the run diverged, stopping early")
+            return False
+        point, split = self.validate(self.budget.layouts[s.epoch]), self.eval_split
+        self.say(f"epoch {s.epoch + 1}/{len(self.budget.layouts)} step {s.step} train_loss={train_loss:.4f} "
+                 f"{split}_loss={point.loss:.4f} {split}_acc={point.acc:.4f}")
+        layouts = list(self.budget.layouts)
+        for technique in self.techniques:
+            layouts = technique.epoch_layouts(layouts, self.data.num_train, s.epoch, s.samples_seen)
+        if tuple(layouts) != self.budget.layouts:
+            self.set_budget(self.budget.relaid(layouts, self.data.num_train))
+        s.epoch, s.step_in_epoch, s.epoch_loss_sum, s.epoch_loss_count = s.epoch + 1, 0, 0.0, 0
+        every = self.settings.checkpoint_every
+        if every and s.epoch % every == 0 and s.step < self.budget.total_steps:
+            self.save_checkpoint()
+        return True
+
+    def validate(self, layout: BatchLayout) -> EvalPoint:
+        """Evaluate the held-out split now; record, log and hand the point to the techniques."""
+        s, result, split = self.state, self.result, self.eval_split
+        started = time.perf_counter()
+        result.final_loss, result.final_acc = self.evaluate(self.eval_set)
+        result.eval_seconds += time.perf_counter() - started
+        point = EvalPoint(s.step, s.samples_seen, layout.global_batch, result.final_acc, result.final_loss)
+        result.history.append(point)
+        self.log.scalars({f"{split}/loss": point.loss, f"{split}/acc": point.acc}, s.step, s.samples_seen)
+        for technique in self.techniques:
+            technique.after_eval(point)
+        return point
+
+    def finish(self, started: float) -> None:
+        """The test split once, at the end (already done when it is the split evaluated); the run's totals."""
+        result, s = self.result, self.state
+        self.strategy.on_train_end(self.model)
+        if self.eval_split == "test":
+            result.test_loss, result.test_acc = result.final_loss, result.final_acc
+        elif self.data.test is not None and not result.diverged:
+            result.test_loss, result.test_acc = self.evaluate(self.data.test)
+            self.log.scalars({"test/loss": result.test_loss, "test/acc": result.test_acc}, s.step, s.samples_seen)
+        result.best_acc = ACC.best(p.acc for p in result.history)
+        result.best_loss = LOSS.best(p.loss for p in result.history)
+        result.allreduces, result.bytes_sent = s.allreduces, s.bytes_sent
+        result.steps, result.samples_seen = s.step, s.samples_seen
+        result.wall_seconds = time.perf_counter() - started
+        result.samples_per_sec = s.samples_seen / max(result.train_seconds, 1e-9)
+        result.technique_metrics = {**self.precision.metrics(), **self.technique_metrics()}
+        result.technique_curves = {k: v for t in self.techniques for k, v in t.curves().items()}
+        result.step_seconds = self.timer.run_means()
+
+    def set_lr(self, layout: BatchLayout) -> float:
+        """Write the step's LR (and the batch-dependent Adam settings) into every parameter group.
+
+        A function of samples seen (lbt/spec/lr.py), never of a hidden step counter. The scaling rule
+        follows the configured batch, or the current one under an automatic batch ramp.
+        """
+        batch = layout.global_batch if self.lr_follows_batch else None
+        settings = optimizer_settings(self.state.samples_seen, self.schedule, batch)
+        factor = settings.pop("weight_decay_factor", None)
+        for group in self.optimizer.param_groups:
+            group.update(settings)
+            if factor is not None:  # each group's own decay (0 for excluded bias/norm parameters) x factor
+                group["weight_decay"] = group.setdefault("base_weight_decay", group["weight_decay"]) * factor
+        return float(settings["lr"])  # type: ignore[arg-type]
+
+    def technique_metrics(self) -> dict[str, float]:
+        return {key: value for t in self.techniques for key, value in t.metrics().items()}
+
+    def evaluate(self, dataset: Any) -> tuple[float, float]:
+        """Loss and top-1 accuracy over a whole dataset (the model the strategy has evaluations score)."""
+        average_buffers(self.model, self.ctx)  # BN running statistics: the mean over every worker
+        with self.strategy.evaluated(self.model):
+            scores = evaluate(self.model, dataset, self.ctx, self.precision, self.settings.eval_batch,
+                              self.settings.loader_workers, self.memory_format)
+        self.model.train()
+        return scores
+
+    # -- output ---------------------------------------------------------------
+    def _bar(self, epoch: int, steps: int, done: int) -> Any:
+        if not (self.settings.progress and self.ctx.is_main):
+            return None
+        from tqdm import tqdm
+
+        epochs = sum(1 for n in self.budget.steps if n)  # the epochs that take a step (max_steps may end early)
+        return tqdm(total=steps, initial=done, desc=f"epoch {epoch + 1}/{epochs}", unit="step",
+                    leave=False, dynamic_ncols=True)
+
+    def say(self, line: str) -> None:
+        say_once(line)
+
+    # -- checkpoints ----------------------------------------------------------
+    def save_checkpoint(self) -> None:
+        if self.checkpointer is None:
+            return
+        # The batch layouts too: an automatic batch ramp decided them during the run.
+        main = {"model": full_state(self.model.state_dict(), self.ctx), "loop": asdict(self.state),
+                "optimizer": full_state(self.optimizer.state_dict(), self.ctx),
+                "result": checkpointed_result(self.result), "layouts": [asdict(p) for p in self.budget.layouts],
+                "precision": self.precision.state_dict()}
+        # Every rank's own: its BN statistics, RNG states and technique state (PowerSGD's error feedback).
+        own = {"buffers": {k: v.detach().clone() for k, v in self.model.named_buffers()}, "rng": rng_state(),
+               "techniques": {t.name: t.state_dict() for t in self.techniques}, "strategy": self.strategy.state_dict()}
+        # Logged events first: once the checkpoint is the latest, a resume from it does not log its step
+        # again, so a kill between the two must not lose what the step logged (its evaluation).
+        self.log.flush()
+        self.checkpointer.save(self.state.step, main, own)
+
+    def load_checkpoint(self, main: dict, own: dict) -> None:
+        load_model_and_optimizer(self.model, self.optimizer, main["model"], main["optimizer"], self.ctx)
+        buffers = dict(self.model.named_buffers())
+        for name, value in own["buffers"].items():  # this rank's own BN statistics
+            buffers[name].copy_(value)
+        self.precision.load_state_dict(main.get("precision", {}))  # fp16's loss scale and skipped steps
+        self.state = LoopState(**main["loop"])
+        # Batch layouts an automatic ramp decided; a run extended on resume (more epochs) keeps the last.
+        decided, laid = [BatchLayout(**layout) for layout in main["layouts"]], list(self.budget.layouts)
+        if decided and decided != laid[:len(decided)]:
+            self.set_budget(self.budget.relaid((decided + [decided[-1]] * len(laid))[:len(laid)], self.data.num_train))
+        self.result = restored_result(main["result"])
+        for technique in self.techniques:
+            technique.load_state_dict(own["techniques"].get(technique.name, {}))
+        self.strategy.load_state_dict(own["strategy"])
+        set_rng_state(own["rng"])

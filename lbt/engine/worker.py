@@ -1,0 +1,252 @@
+"""`run(spec, run_dir)`: one training run, callable from the CLI, tests, tune and notebooks alike.
+
+The spec is built and checked once in the launching process (`make_spec`), so every rank agrees on
+it and on the run folder. Each process then builds its parts (lbt/engine/build.py) and hands them to
+the Trainer (lbt/engine/trainer.py):
+
+    run(spec): torchrun started us  -> train_process (this rank)
+               one process          -> train_process (here)
+               several processes    -> lbt's launcher starts them (lbt/parallel/launcher.py), each
+                                       train_process; a dead worker restarts the job from its last
+                                       checkpoint, dist.max_restarts times
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from lbt.data.batches import loader_workers
+from lbt.engine.build import build_data, build_parts
+from lbt.engine.checkpoint import Checkpointer, full_state
+from lbt.engine.outcome import finish, print_start
+from lbt.engine.precision import Precision
+from lbt.engine.trainer import LoopSettings, Trainer
+from lbt.errors import ConfigError
+from lbt.metrics.tensorboard import RunLogger
+from lbt.metrics.text_log import say_once, text_log
+from lbt.parallel import launcher
+from lbt.parallel import process_group as pg
+from lbt.parallel.tensor_parallel import device_mesh
+from lbt.spec.result import RunResult, read_result, write_result
+from lbt.spec.run import Launch, RunSpec, build_spec
+from lbt.techniques.base import Technique
+
+
+def make_spec(config: Mapping[str, Any], recipe: str | None = None, overrides: list[str] | None = None) -> RunSpec:
+    """The RunSpec of a composed config on this machine (torchrun's process count, the CUDA devices)."""
+    env = pg.torchrun_env()
+    spec = build_spec(config, Launch(env["procs"] if env else None, pg.default_procs()), recipe, overrides)
+    check_backend(spec.dist.backend, spec.trainer.device)
+    return spec
+
+
+def run(spec: RunSpec, run_dir: str | Path, techniques: list[Technique] | tuple = ()) -> RunResult:
+    """Train once as `spec` says, writing TensorBoard events, result.json and final_model.pt into run_dir.
+
+    `techniques` join the spec's (built objects, e.g. a tuner's pruning hook; in-process runs only:
+    they are not sent to spawned workers). A run stopped by a signal returns `stopped` and writes
+    no result.json; torchrun's ranks other than 0 return an empty result.
+    """
+    run_dir = str(Path(run_dir).resolve())
+    env = pg.torchrun_env()
+    if env is not None:
+        elastic = pg.elastic_restarts()
+        if elastic:  # torchrun --max-restarts started the workers again after one died
+            spec = spec.with_trainer(resume="auto")
+        result = train_process(env["rank"], None, spec, run_dir, env["local_rank"], env["local_procs"])
+        if env["rank"] == 0 and elastic and not result.stopped:
+            result = record_restarts(run_dir, [{"by": "torchrun --max-restarts", "restarts": elastic}])
+        return result
+    if spec.procs == 1 and not spec.dist.max_restarts:
+        return train_process(0, None, spec, run_dir, 0, 1, list(techniques))
+    if techniques:
+        raise ConfigError("run(techniques=...) adds techniques to in-process runs only (dist.procs=1, "
+                          "dist.max_restarts=0)")
+    # Build the data once here: generates caches before the workers start and
+    # reports a missing dataset as one line from one process.
+    build_data(spec.data)
+    restarts = launch_with_restarts(spec, run_dir)
+    if not (Path(run_dir) / "result.json").exists():  # stopped by a signal after a checkpoint
+        return RunResult(stopped=True)
+    return record_restarts(run_dir, restarts) if restarts else read_result(run_dir)
+
+
+def record_restarts(run_dir: str, restarts: list[dict]) -> RunResult:
+    """Add the job's restarts to the result.json its last attempt wrote; return the result."""
+    result = read_result(run_dir)
+    result.restarts = restarts
+    write_result(run_dir, result)
+    return result
+
+
+def launch_with_restarts(spec: RunSpec, run_dir: str) -> list[dict]:
+    """Start the workers; when one dies, start them again from the last checkpoint, dist.max_restarts times.
+
+    lbt's resume is exact, so a restarted job ends with the parameters of an uninterrupted one.
+    A config error is not retried (the worker printed it; it would fail again), nor is a diverged
+    run (its workers end well). Returns one record per restart: which rank died, how, at which
+    step, and the step the job continued from.
+    """
+    restarts: list[dict] = []
+    procs, limit = spec.procs, spec.dist.max_restarts
+    while True:
+        steps = launcher.step_board(procs)
+        try:
+            launcher.launch_local(_spawned_process, (steps, spec, run_dir), procs)
+            return restarts
+        except launcher.WorkerDied as died:
+            if not died.restartable or len(restarts) >= limit:
+                raise
+            latest = Checkpointer(run_dir, 0, procs).latest()
+            restarts.append({"rank": died.rank, "how": died.how, "step": steps[died.rank],
+                             "resumed_from_step": latest["step"] if latest else 0})
+            print(f"lbt: note: {died} after step {steps[died.rank]}; restarting ({len(restarts)} of {limit}) "
+                  f"from the checkpoint at step {restarts[-1]['resumed_from_step']}", file=sys.stderr, flush=True)
+        spec = spec.with_trainer(resume="auto")
+
+
+def check_backend(backend: str, device: str) -> None:
+    """NCCL moves CUDA tensors only: refused up front on a CPU run, not as a worker's unexplained exit."""
+    if backend != "nccl":
+        return
+    if device == "cpu":
+        raise ConfigError("dist.backend=nccl with trainer.device=cpu: NCCL only moves CUDA tensors; "
+                          "use dist.backend=gloo (or auto)")
+    if not torch.cuda.is_available():
+        raise ConfigError("dist.backend=nccl needs CUDA GPUs and this machine has none: "
+                          "use dist.backend=auto (gloo on CPU) or gloo")
+
+
+def check_run_folder(spec: RunSpec, run_dir: str) -> None:
+    """The run folder's checkpoint against this run, before anything is written: a fresh start over a
+    checkpoint, or a resume of another run's, is a ConfigError. The workers check again, with the
+    checksums (`Checkpointer.load_latest`)."""
+    checkpointer = Checkpointer(Path(run_dir).expanduser(), 0, spec.procs, identity=spec.identity())
+    if spec.trainer.resume == "auto" or pg.elastic_restarts():  # torchrun restarts resume (see run())
+        checkpointer.check_newest_belongs()
+    else:
+        checkpointer.refuse_other_run(tidy=False)
+
+
+def _spawned_process(rank: int, store_port: int, steps: Any, spec: RunSpec, run_dir: str) -> None:
+    """Body of a process started by lbt's local launcher: one line per failure, no traceback for user errors.
+
+    `steps` (lbt.parallel.launcher.step_board): where this rank writes each step it finishes.
+    """
+    def on_step(step: int) -> None:
+        steps[rank] = step
+
+    try:
+        train_process(rank, store_port, spec, run_dir, rank, spec.procs, on_step=on_step)
+    except ConfigError as error:
+        if rank == 0:
+            print(f"lbt: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except torch.distributed.DistError as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(f"lbt: rank {rank} lost its peers: {first_line}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    exit_worker()
+
+
+def exit_worker() -> None:
+    """End a finished worker process without the interpreter's teardown.
+
+    Everything is written and the process group destroyed by now. Tearing down torch's distributed
+    objects with the interpreter sometimes aborts a gloo worker (SIGABRT), which the launcher would
+    report as a dead worker.
+    """
+    pg.flush_std()
+    os._exit(0)
+
+
+def train_process(rank: int, store_port: int | None, spec: RunSpec, run_dir: str, local_rank: int,
+                  local_procs: int, extra_techniques: list[Technique] | tuple = (),
+                  on_step: Callable[[int], None] | None = None) -> RunResult:
+    """One process of the run, from joining its process group to its result (rank 0's; others' are empty)."""
+    procs = spec.procs
+    # Share the cores among the processes of this machine, so P=2 on 2 cores does not oversubscribe them.
+    torch.set_num_threads(spec.trainer.threads or max(1, (os.cpu_count() or 1) // local_procs))
+    device = pg.pick_device(spec.trainer.device, local_rank)
+    backend = pg.pick_backend(spec.dist.backend, device)
+    with pg.process_group(backend, rank, procs, spec.dist.timeout_s, store_port), ExitStack() as stack:
+        if store_port is None and procs > 1:
+            run_dir = _agree_on_run_dir(run_dir)
+        stack.enter_context(text_log(run_dir if rank == 0 else None))
+        t = spec.layout.tensor_parallel
+        mesh = device_mesh(device, procs, t) if t > 1 else None
+        ctx = pg.DistContext(rank, procs, local_rank, spec.gpus, device, t, mesh)
+        started = time.perf_counter()
+        trainer = make_trainer(spec, ctx, run_dir, local_procs, extra_techniques)
+        trainer.on_step = on_step
+        # Closed however the run ends (an exception too: a tuner's pruning unwinds it), so its curves reach the disk.
+        stack.callback(trainer.log.close)
+        with stop_on_signals(trainer):
+            result = trainer.fit()
+        if result.stopped:
+            return result
+        result.wall_seconds = time.perf_counter() - started
+        model_state = full_state(trainer.model.state_dict(), ctx)  # whole tensors, as one process saves them
+        if ctx.is_main:
+            result = finish(spec, trainer.parts, result, run_dir, trainer.log, model_state)
+        return result if ctx.is_main else RunResult()
+
+
+def make_trainer(spec: RunSpec, ctx: pg.DistContext, run_dir: str, local_procs: int,
+                 extra_techniques: list[Technique] | tuple = ()) -> Trainer:
+    """Build the parts, say how the run starts, and resume from the run folder's checkpoint when asked."""
+    parts = build_parts(spec, ctx, extra_techniques)
+    if ctx.is_main:
+        print_start(spec, parts, run_dir)
+    checkpointer = Checkpointer(run_dir, ctx.rank, ctx.procs, spec.trainer.keep_checkpoints, spec.identity())
+    resume = None
+    if spec.trainer.resume == "auto":
+        resume = checkpointer.load_latest()
+    else:
+        checkpointer.refuse_other_run()
+    # TensorBoard purges what a stopped run logged after its checkpoint.
+    loop = resume[0]["loop"] if resume else {"step": 0, "samples_seen": 0}
+    logger = RunLogger(run_dir if ctx.is_main else None, loop["step"], loop["samples_seen"])
+    t = spec.trainer
+    settings = LoopSettings(seed=t.seed, log_every=t.log_every, progress=t.progress, evals=t.evals,
+                            fuse_workers=spec.dist.fuse_workers, checkpoint_every=t.checkpoint_every,
+                            compile=t.compile, channels_last=t.channels_last,
+                            loader_workers=loader_workers(t.loader_workers, local_procs))
+    precision = Precision(t.precision, ctx.device.type)
+    say_once(f"device={ctx.device} precision={precision.describe()} compile={settings.compile} "
+             f"channels_last={settings.channels_last} loader_workers={settings.loader_workers}")
+    trainer = Trainer(parts, ctx, settings, logger, checkpointer, precision)
+    if resume is not None:
+        trainer.load_checkpoint(*resume)
+        trainer.say(f"resumed from step {trainer.state.step} (epoch {trainer.state.epoch + 1}) in {run_dir}")
+    return trainer
+
+
+@contextmanager
+def stop_on_signals(trainer: Trainer) -> Iterator[None]:
+    """SIGTERM (how schedulers preempt) and SIGINT ask the loop to checkpoint and stop cleanly."""
+    def request_stop(signum: int, frame: Any) -> None:
+        trainer.stop_requested = True
+
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _agree_on_run_dir(run_dir: str) -> str:
+    """Under torchrun every rank ran Hydra; rank 0's run folder is the one."""
+    holder = [run_dir]
+    torch.distributed.broadcast_object_list(holder, src=0)
+    return holder[0]

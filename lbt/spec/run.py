@@ -1,0 +1,340 @@
+"""The run spec: the composed config turned, once, into frozen typed parts, every value checked here.
+
+    config (a plain dict, composed by lbt/apps/compose.py)
+      -> build_spec(config, launch) -> RunSpec(trainer, dist, schedule, layout, model, data, optim, techniques)
+
+After this, nothing reads the config by string: the engine takes the spec's parts. The field names
+are the config's keys (`trainer.epochs` is `spec.trainer.epochs`), and lbt/apps/compose.py derives
+Hydra's schemas from these dataclasses, so a mistyped key fails when the config is composed.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from lbt.errors import ConfigError
+from lbt.spec.batching import DEFAULT_PER_WORKER_BATCH, BatchLayout, auto_tensor_parallel, batch_layout
+from lbt.spec.lr import DECAYS, SCALING_RULES, WARMUP_MODES, WEIGHT_DECAY_SCALINGS
+from lbt.spec.targets import Target, target_of
+from lbt.spec.validate import integer, number, one_of
+
+# Upper bounds that catch typos (an extra zero or two) before they cost hours or memory.
+MAX_EPOCHS = 100_000
+MAX_LOCAL_PROCS = 256
+MAX_THREADS = 1024
+MAX_LOADER_WORKERS = 256
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    """The `trainer` node (conf/trainer/default.yaml says what each key means)."""
+
+    per_worker_batch: int | None = None
+    global_batch: int | None = None
+    epochs: int = 10
+    max_steps: int | None = None
+    seed: int = 0
+    progress: bool = True
+    log_every: int = 10
+    evals: int = 20
+    device: str = "auto"
+    threads: int | None = None
+    checkpoint_every: int = 1
+    keep_checkpoints: int = 2
+    resume: str | None = None
+    precision: str = "fp32"
+    compile: bool = False
+    channels_last: bool = False
+    loader_workers: int | None = None
+
+    def check(self) -> TrainerSpec:
+        """Range checks the schema's types cannot express."""
+        integer("trainer.epochs", self.epochs, 1, MAX_EPOCHS)
+        integer("trainer.log_every", self.log_every)
+        integer("trainer.evals", self.evals, 0, 10_000)
+        integer("trainer.checkpoint_every", self.checkpoint_every, 0)
+        integer("trainer.keep_checkpoints", self.keep_checkpoints, 1, 1000)
+        one_of("trainer.resume", self.resume, (None, "auto"))
+        one_of("trainer.device", self.device, ("auto", "cpu", "cuda"))
+        one_of("trainer.precision", self.precision, ("fp32", "bf16", "fp16"))
+        optional = (("loader_workers", self.loader_workers, 0, MAX_LOADER_WORKERS),
+                    ("max_steps", self.max_steps, 1, None), ("threads", self.threads, 1, MAX_THREADS))
+        for key, value, low, high in optional:
+            if value is not None:
+                integer(f"trainer.{key}", value, low, high)
+        return self
+
+
+@dataclass(frozen=True)
+class DistSpec:
+    """The `dist` node (conf/dist/default.yaml). In a RunSpec, world_size, procs and tensor_parallel are resolved."""
+
+    world_size: int | None = None
+    procs: int | None = None
+    backend: str = "auto"
+    timeout_s: int = 120
+    fuse_workers: bool | str = "auto"  # true, false or auto (lbt/engine/passes.py: workers_per_pass)
+    max_restarts: int = 0
+    tensor_parallel: int | str = 1  # a number, or "auto" (see `auto_tensor_parallel`)
+    max_global_batch: int | None = None
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """The `schedule` node: everything the LR depends on besides the base LR (lbt/spec/lr.py reads it)."""
+
+    scaling: str = "none"
+    weight_decay_scaling: str = "none"
+    base_batch: int = 64
+    warmup_epochs: float = 0.0
+    warmup_samples: int | None = None
+    warmup_start: float | None = None
+    warmup_mode: str = "linear"
+    decay: str = "cosine"
+    final_factor: float = 0.0
+    power: float = 2.0
+    milestones: tuple[float, ...] = ()
+    gamma: float = 0.1
+
+    def check(self) -> ScheduleSpec:
+        one_of("schedule.scaling", self.scaling, SCALING_RULES)
+        one_of("schedule.weight_decay_scaling", self.weight_decay_scaling, WEIGHT_DECAY_SCALINGS)
+        one_of("schedule.warmup_mode", self.warmup_mode, WARMUP_MODES)
+        one_of("schedule.decay", self.decay, DECAYS)
+        integer("schedule.base_batch", self.base_batch)
+        number("schedule.warmup_epochs", self.warmup_epochs, low=0)
+        if self.warmup_samples is not None:
+            integer("schedule.warmup_samples", self.warmup_samples, 0)
+            if self.warmup_epochs:
+                raise ConfigError("schedule: give warmup_epochs or warmup_samples, not both")
+        if self.warmup_start is not None:
+            number("schedule.warmup_start", self.warmup_start, low=0, high=1, low_open=True)
+        number("schedule.final_factor", self.final_factor, low=0, high=1)
+        number("schedule.power", self.power, low=0, low_open=True)
+        number("schedule.gamma", self.gamma, low=0, high=1, low_open=True)
+        for milestone in self.milestones:
+            number("schedule.milestones", milestone, low=0)
+        return self
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the machine says before a run starts: torchrun's process count (None: lbt's own launcher)
+    and how many processes a run starts when dist.procs is not given (the CUDA devices, at least 1)."""
+
+    torchrun_procs: int | None = None
+    default_procs: int = 1
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run, checked: the parts the engine builds and runs (lbt/engine/build.py)."""
+
+    trainer: TrainerSpec
+    dist: DistSpec
+    schedule: ScheduleSpec
+    layout: BatchLayout  # the configured batch layout (epoch 0's, before any batch ramp)
+    model: Target
+    data: Target
+    optim: Target
+    techniques: tuple[Target, ...]
+    base_lr: float  # optim.lr: the LR at schedule.base_batch, before scaling
+    recipe: str
+    overrides: tuple[str, ...]
+    config: Mapping[str, Any]  # the resolved config: kept in result.json; its run-defining keys tie checkpoints
+    unselected: tuple[str, ...] = ()  # technique nodes configured (by a recipe) but deselected: noted, not built
+
+    @property
+    def procs(self) -> int:
+        """The processes the run starts (tensor-parallel ranks included)."""
+        return self.layout.procs * self.layout.tensor_parallel
+
+    @property
+    def gpus(self) -> int:
+        """The GPUs the run models (dist.world_size): data-parallel workers x tensor-parallel ranks."""
+        return self.layout.gpus
+
+    @property
+    def betas(self) -> tuple[float, float] | None:
+        """Adam's betas of the optimizer config, which schedule.scaling=adam_sqrt moves with the batch."""
+        betas = self.optim.kwargs.get("betas")
+        return None if betas is None else (betas[0], betas[1])
+
+    @property
+    def eps(self) -> float | None:
+        return self.optim.kwargs.get("eps")
+
+    def identity(self) -> dict[str, Any]:
+        """The run-defining part of the config (see `run_identity`)."""
+        return run_identity(self.config, self.layout.per_worker_batch, self.layout.global_batch)
+
+    def with_trainer(self, **changes: Any) -> RunSpec:
+        """The same run with trainer values changed (a restart resumes: trainer.resume=auto)."""
+        trainer = replace(self.trainer, **changes)
+        config = {**self.config, "trainer": {**self.config["trainer"], **changes}}
+        return replace(self, trainer=trainer, config=config)
+
+
+def from_node(cls: type, node: Mapping[str, Any] | None, where: str) -> Any:
+    """A spec dataclass from its config node; a key it does not have is one line naming the closest one."""
+    node = dict(node or {})
+    names = [f.name for f in fields(cls)]
+    for key in node:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+            hint = f"; did you mean {where}.{close[0]}?" if close else f" (keys: {', '.join(names)})"
+            raise ConfigError(f"{where}.{key}: no such key in {where}{hint}")
+    if "milestones" in node:
+        node["milestones"] = tuple(node["milestones"] or ())
+    return cls(**node)
+
+
+def build_spec(config: Mapping[str, Any], launch: Launch = Launch(), recipe: str | None = None,
+               overrides: list[str] | tuple[str, ...] | None = None) -> RunSpec:
+    """Check a composed config once and turn it into a RunSpec (world size, processes, T and batches resolved)."""
+    resolved: dict[str, Any] = copy.deepcopy(dict(config))
+    resolved["recipe"] = recipe or resolved.get("recipe") or "custom"
+    resolved["overrides"] = list(overrides or resolved.get("overrides") or [])
+    trainer = from_node(TrainerSpec, resolved.get("trainer"), "trainer").check()
+    dist = resolve_dist(from_node(DistSpec, resolved.get("dist"), "dist"), trainer, launch)
+    resolved["dist"] = {**resolved.get("dist", {}), "world_size": dist.world_size, "procs": dist.procs,
+                        "tensor_parallel": dist.tensor_parallel}
+    layout = batch_layout(int(dist.world_size or 1), int(dist.procs or 1), trainer.per_worker_batch,
+                          trainer.global_batch, tensor_parallel=int(dist.tensor_parallel))
+    if layout.tensor_parallel > 1 and trainer.precision == "fp16":
+        raise ConfigError(f"trainer.precision=fp16 with dist.tensor_parallel={layout.tensor_parallel}: torch's "
+                          "GradScaler cannot unscale split (DTensor) and replicated gradients together; use bf16")
+    optim = target_of(resolved.get("optim"), "optim")
+    base_lr = number("optim.lr", optim.kwargs.get("lr"), low=0, low_open=True)
+    schedule = from_node(ScheduleSpec, resolved.get("schedule"), "schedule").check()
+    check_adam_settings(schedule, optim)
+    techniques, unselected = techniques_of(resolved.get("technique"))
+    return RunSpec(trainer, dist, schedule, layout, target_of(resolved.get("model"), "model"),
+                   target_of(resolved.get("data"), "data"), optim, techniques, base_lr, resolved["recipe"],
+                   tuple(resolved["overrides"]), resolved, unselected)
+
+
+def resolve_dist(dist: DistSpec, trainer: TrainerSpec, launch: Launch) -> DistSpec:
+    """dist's checks, and its defaults filled: procs (torchrun's, else the launch's default), world_size (procs),
+    tensor_parallel (a number; `auto` from the batch cap)."""
+    under_torchrun = launch.torchrun_procs is not None
+    number("dist.timeout_s", dist.timeout_s, 0, 86_400, low_open=True)
+    one_of("dist.backend", dist.backend, ("auto", "gloo", "nccl"))
+    one_of("dist.fuse_workers", dist.fuse_workers, (True, False, "auto"))
+    integer("dist.max_restarts", dist.max_restarts, 0, 1000)
+    for key in ("world_size", "procs"):  # null means "as many as there are"; 0 is a mistake, not "unset"
+        if getattr(dist, key) is not None:
+            integer(f"dist.{key}", getattr(dist, key))
+    if under_torchrun and dist.max_restarts:
+        raise ConfigError("dist.max_restarts is for lbt's local launcher; under torchrun give --max-restarts "
+                          "(lbt then resumes by itself)")
+    if not under_torchrun and isinstance(dist.procs, int) and dist.procs > MAX_LOCAL_PROCS:
+        raise ConfigError(f"dist.procs={dist.procs}: lbt's local launcher starts at most {MAX_LOCAL_PROCS} "
+                          "processes on one machine; use torchrun or a cluster launcher for more")
+    if under_torchrun and dist.procs not in (None, launch.torchrun_procs):
+        raise ConfigError(f"dist.procs={dist.procs} but torchrun started {launch.torchrun_procs} processes")
+    procs = dist.procs or launch.torchrun_procs or launch.default_procs
+    world_size = dist.world_size or procs
+    tensor_parallel = resolve_tensor_parallel(dist, trainer, world_size, procs)
+    return replace(dist, world_size=world_size, procs=procs, tensor_parallel=tensor_parallel)
+
+
+def resolve_tensor_parallel(dist: DistSpec, trainer: TrainerSpec, world_size: int, procs: int) -> int:
+    """dist.tensor_parallel as a number: `auto` becomes the T that keeps the global batch under the cap."""
+    value = dist.tensor_parallel
+    if value == "auto":
+        if trainer.global_batch is not None:
+            raise ConfigError("dist.tensor_parallel=auto sets the global batch from trainer.per_worker_batch and "
+                              "dist.max_global_batch; give trainer.per_worker_batch, not trainer.global_batch")
+        value = auto_tensor_parallel(integer("dist.world_size", world_size),
+                                     trainer.per_worker_batch or DEFAULT_PER_WORKER_BATCH, dist.max_global_batch)
+        if procs % value:
+            raise ConfigError(f"dist.tensor_parallel=auto chose T={value} (global batch at or below "
+                              f"{dist.max_global_batch}), which does not divide dist.procs={procs}: start "
+                              f"a multiple of {value} processes")
+    elif isinstance(value, (str, bool)):
+        raise ConfigError(f"dist.tensor_parallel={value}: give a number of processes per group or auto")
+    return integer("dist.tensor_parallel", value)
+
+
+def techniques_of(node: Mapping[str, Any] | None) -> tuple[tuple[Target, ...], tuple[str, ...]]:
+    """The technique nodes with a `_target_` (built), and the names of those without one: options a recipe
+    set for a technique the command line then deselected."""
+    built, unselected = [], []
+    for name, technique in (node or {}).items():
+        if isinstance(technique, Mapping) and technique.get("_target_"):
+            built.append(target_of(technique, f"technique.{name}"))
+        else:
+            unselected.append(str(name))
+    return tuple(built), tuple(unselected)
+
+
+def check_adam_settings(schedule: ScheduleSpec, optim: Target) -> None:
+    """schedule.scaling=adam_sqrt moves Adam's betas and eps: the optimizer must have them, in range."""
+    if schedule.scaling != "adam_sqrt":
+        return
+    betas, eps = optim.kwargs.get("betas"), optim.kwargs.get("eps")
+    if betas is None or eps is None:
+        raise ConfigError("schedule.scaling=adam_sqrt scales Adam's betas and eps, and this optimizer has none: "
+                          "use optim=adamw (or lamb), or schedule.scaling=sqrt")
+    if len(betas) != 2:
+        raise ConfigError(f"optim.betas must hold two numbers, got {list(betas)}")
+    for beta in betas:
+        number("optim.betas", beta, low=0, high=1, high_open=True)
+    number("optim.eps", eps, low=0)
+
+
+# Config keys that may differ between a checkpoint and the run that resumes it (README "Faults"):
+# the budget (to extend a run), how it is run and shown, where data lives, and labels. Every other
+# key defines the run (model, data, batches, world size, optimizer, schedule, techniques, seed).
+MAY_CHANGE = (
+    "trainer.epochs", "trainer.max_steps", "trainer.resume", "trainer.progress", "trainer.log_every",
+    "trainer.evals", "trainer.device", "trainer.threads", "trainer.checkpoint_every", "trainer.keep_checkpoints",
+    "trainer.compile", "trainer.channels_last", "trainer.loader_workers",
+    "dist.procs",  # checked on its own: the per-process files need the same count
+    "dist.backend", "dist.timeout_s", "dist.fuse_workers", "dist.max_restarts",
+    "data.data_dir", "data.root", "recipe", "overrides", "tune", "study", "extra_sweeps",
+)
+
+
+def run_identity(config: Mapping[str, Any], per_worker_batch: int, global_batch: int) -> dict[str, Any]:
+    """The run-defining part of a resolved config, as dotted keys: every key but MAY_CHANGE.
+
+    The batch sizes are the derived ones, so `global_batch=128` and `per_worker_batch=64` at
+    world size 2 are the same run.
+    """
+    flat = {key: value for key, value in _flatten(config).items() if not _may_change(key)}
+    flat["trainer.per_worker_batch"], flat["trainer.global_batch"] = per_worker_batch, global_batch
+    return flat
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(node, Mapping):
+        return {prefix: node}
+    flat: dict[str, Any] = {}
+    for key, value in node.items():
+        flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def _may_change(key: str) -> bool:
+    return any(key == k or key.startswith(k + ".") for k in MAY_CHANGE)
+
+
+def identity_differences(saved: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """`key (saved -> new)` for each run-defining key whose value differs, sorted."""
+    missing = object()
+
+    def shown(value: Any) -> str:
+        return "absent" if value is missing else json.dumps(value)
+
+    def same(a: Any, b: Any) -> bool:  # json: NaN equals NaN, as it reads back from the manifest
+        return a == b or (a is not missing and b is not missing and json.dumps(a) == json.dumps(b))
+
+    return [f"{key} ({shown(saved.get(key, missing))} -> {shown(new.get(key, missing))})"
+            for key in sorted(saved.keys() | new.keys()) if not same(saved.get(key, missing), new.get(key, missing))]
