@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from lbt.errors import ConfigError
 from lbt.spec.batching import BatchLayout, Budget, make_budget
-from lbt.spec.lr import Schedule, build_schedule, lr_at, peak, scaling_factor
-from lbt.spec.run import ScheduleSpec, from_node
+from lbt.spec.lr import Schedule, ScheduleSpec, build_schedule, lr_at, peak, scaling_factor
+from lbt.spec.run import from_node
 
 
 def schedule(**overrides) -> Schedule:

@@ -10,8 +10,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lbt.errors import ConfigError
 from lbt.spec.batching import BatchLayout, make_budget
-from lbt.spec.lr import build_schedule, lr_at
-from lbt.spec.run import ScheduleSpec, from_node
+from lbt.spec.lr import ScheduleSpec, build_schedule, lr_at
+from lbt.spec.run import from_node
 from lbt.techniques.batch_ramp import BatchRamp, ramp_growth
 
 REPO = Path(__file__).resolve().parents[1]

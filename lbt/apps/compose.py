@@ -27,7 +27,8 @@ from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue
 
 from lbt.errors import ConfigError
-from lbt.spec.run import DistSpec, ScheduleSpec, TrainerSpec
+from lbt.spec.lr import ScheduleSpec
+from lbt.spec.run import DistSpec, TrainerSpec
 
 PLAIN_TYPES = (int, float, str, bool)
 

@@ -6,8 +6,9 @@ Everything above reads these: `build_spec` checks a composed config once (lbt/sp
 """
 
 from lbt.spec.batching import BatchLayout, Budget, batch_layout, make_budget
+from lbt.spec.lr import ScheduleSpec
 from lbt.spec.result import EvalPoint, ResultError, RunResult, read_result, write_result
-from lbt.spec.run import DistSpec, Launch, RunSpec, ScheduleSpec, Target, TrainerSpec, build_spec
+from lbt.spec.run import DistSpec, Launch, RunSpec, Target, TrainerSpec, build_spec
 
 __all__ = ["BatchLayout", "Budget", "DistSpec", "EvalPoint", "Launch", "ResultError", "RunResult", "RunSpec",
            "ScheduleSpec", "Target", "TrainerSpec", "batch_layout", "build_spec", "make_budget", "read_result",

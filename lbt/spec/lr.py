@@ -1,6 +1,6 @@
 """The learning rate: one pure function of samples seen, `lr_at(samples_seen, schedule)`.
 
-The `schedule` config node (conf/schedule/, checked as a ScheduleSpec in lbt/spec/run.py) holds
+The `schedule` config node (conf/schedule/, checked as a ScheduleSpec below) holds
 everything the LR depends on: the scaling rule and its base batch, the warmup, the decay. `build_schedule`
 turns it, once per run, into a `Schedule` whose lengths are sample counts on
 step boundaries; `lr_at` reads it top to bottom. Progress is counted in samples
@@ -12,19 +12,53 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from lbt.errors import ConfigError
 from lbt.spec.batching import Budget
-
-if TYPE_CHECKING:  # lbt/spec/run.py imports this module's constants
-    from lbt.spec.run import ScheduleSpec
+from lbt.spec.validate import integer, number, one_of
 
 SCALING_RULES = ("none", "linear", "sqrt", "adam_sqrt")
 WEIGHT_DECAY_SCALINGS = ("none", "timescale")
 WARMUP_MODES = ("linear", "constant")
 DECAYS = ("constant", "cosine", "poly", "step")
 
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """The `schedule` node: everything the LR depends on besides the base LR."""
+
+    scaling: str = "none"
+    weight_decay_scaling: str = "none"
+    base_batch: int = 64
+    warmup_epochs: float = 0.0
+    warmup_samples: int | None = None
+    warmup_start: float | None = None
+    warmup_mode: str = "linear"
+    decay: str = "cosine"
+    final_factor: float = 0.0
+    power: float = 2.0
+    milestones: tuple[float, ...] = ()
+    gamma: float = 0.1
+
+    def check(self) -> ScheduleSpec:
+        one_of("schedule.scaling", self.scaling, SCALING_RULES)
+        one_of("schedule.weight_decay_scaling", self.weight_decay_scaling, WEIGHT_DECAY_SCALINGS)
+        one_of("schedule.warmup_mode", self.warmup_mode, WARMUP_MODES)
+        one_of("schedule.decay", self.decay, DECAYS)
+        integer("schedule.base_batch", self.base_batch)
+        number("schedule.warmup_epochs", self.warmup_epochs, low=0)
+        if self.warmup_samples is not None:
+            integer("schedule.warmup_samples", self.warmup_samples, 0)
+            if self.warmup_epochs:
+                raise ConfigError("schedule: give warmup_epochs or warmup_samples, not both")
+        if self.warmup_start is not None:
+            number("schedule.warmup_start", self.warmup_start, low=0, high=1, low_open=True)
+        number("schedule.final_factor", self.final_factor, low=0, high=1)
+        number("schedule.power", self.power, low=0, low_open=True)
+        number("schedule.gamma", self.gamma, low=0, high=1, low_open=True)
+        for milestone in self.milestones:
+            number("schedule.milestones", milestone, low=0)
+        return self
 
 def scaling_factor(global_batch: int, base_batch: int, rule: str) -> float:
     """How much the scaling rule multiplies the base LR by at `global_batch`.

@@ -19,7 +19,7 @@ from typing import Any
 
 from lbt.errors import ConfigError
 from lbt.spec.batching import DEFAULT_PER_WORKER_BATCH, BatchLayout, auto_tensor_parallel, batch_layout
-from lbt.spec.lr import DECAYS, SCALING_RULES, WARMUP_MODES, WEIGHT_DECAY_SCALINGS
+from lbt.spec.lr import ScheduleSpec
 from lbt.spec.targets import Target, target_of
 from lbt.spec.validate import integer, number, one_of
 
@@ -82,44 +82,6 @@ class DistSpec:
     max_restarts: int = 0
     tensor_parallel: int | str = 1  # a number, or "auto" (see `auto_tensor_parallel`)
     max_global_batch: int | None = None
-
-
-@dataclass(frozen=True)
-class ScheduleSpec:
-    """The `schedule` node: everything the LR depends on besides the base LR (lbt/spec/lr.py reads it)."""
-
-    scaling: str = "none"
-    weight_decay_scaling: str = "none"
-    base_batch: int = 64
-    warmup_epochs: float = 0.0
-    warmup_samples: int | None = None
-    warmup_start: float | None = None
-    warmup_mode: str = "linear"
-    decay: str = "cosine"
-    final_factor: float = 0.0
-    power: float = 2.0
-    milestones: tuple[float, ...] = ()
-    gamma: float = 0.1
-
-    def check(self) -> ScheduleSpec:
-        one_of("schedule.scaling", self.scaling, SCALING_RULES)
-        one_of("schedule.weight_decay_scaling", self.weight_decay_scaling, WEIGHT_DECAY_SCALINGS)
-        one_of("schedule.warmup_mode", self.warmup_mode, WARMUP_MODES)
-        one_of("schedule.decay", self.decay, DECAYS)
-        integer("schedule.base_batch", self.base_batch)
-        number("schedule.warmup_epochs", self.warmup_epochs, low=0)
-        if self.warmup_samples is not None:
-            integer("schedule.warmup_samples", self.warmup_samples, 0)
-            if self.warmup_epochs:
-                raise ConfigError("schedule: give warmup_epochs or warmup_samples, not both")
-        if self.warmup_start is not None:
-            number("schedule.warmup_start", self.warmup_start, low=0, high=1, low_open=True)
-        number("schedule.final_factor", self.final_factor, low=0, high=1)
-        number("schedule.power", self.power, low=0, low_open=True)
-        number("schedule.gamma", self.gamma, low=0, high=1, low_open=True)
-        for milestone in self.milestones:
-            number("schedule.milestones", milestone, low=0)
-        return self
 
 
 @dataclass(frozen=True)
