@@ -1,4 +1,4 @@
-"""The `lbt` command: `lbt train | study | tune | report | plan`, also as `python -m lbt` and `torchrun -m lbt`.
+"""The `lbt` command: `lbt train | study | probe | tune | report | plan`, also as `python -m lbt` and `torchrun -m lbt`.
 
 Each command is its own module of lbt/apps; this one only dispatches. A mistake ends with one
 `lbt: error:` line on stderr and exit code 2, never a traceback.
@@ -10,6 +10,7 @@ import sys
 
 from lbt.apps.errors import fail
 from lbt.apps.plan.cli import plan_main
+from lbt.apps.probe import probe_command
 from lbt.apps.report.cli import report_command
 from lbt.apps.study import study_command
 from lbt.apps.train import train_command
@@ -27,6 +28,8 @@ commands:
   tune [overrides]      the same tuning budget (Optuna trials, chosen on val) for every cell of
                         recipes x world sizes, then the best and the untuned defaults over seeds,
                         scored on test; e.g. `lbt tune recipe=baseline,lamb dist.world_size=16,64`
+  probe [overrides]     the critical batch predicted from one base run and short branches from its
+                        snapshots, at a fraction of a sweep's cost; e.g. `lbt probe model=mlp`
   report DIR [--target ACC] [--metric loss --target LOSS]
                         turn a multirun folder into report.md, PNG curves, summary.json, tb_summary/
   plan [options]        predict time per epoch vs GPU count from measured compute and a network
@@ -48,6 +51,8 @@ def main(argv: list[str] | None = None) -> None:
         study_command(args)
     elif command == "tune":
         tune_command(args)
+    elif command == "probe":
+        probe_command(args)
     elif command == "report":
         report_command(args)
     elif command == "plan":

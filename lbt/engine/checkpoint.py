@@ -7,6 +7,8 @@ Layout in the run folder:
     checkpoint/step_<S>/manifest.json  each file's SHA-256, the process count and the run's config
     checkpoint/latest.json             the newest step folder (for people and scripts; loading
                                        trusts the manifests)
+    snapshots/samples_<N>.pt           lbt probe's base run: its whole state after N samples (rank 0's),
+                                       which branches start from; kept, never pruned
 
 A checkpoint is complete or absent: every rank writes into `step_<S>.partial/`,
 rank 0 then hashes the files, writes the manifest and renames the folder to
@@ -254,3 +256,33 @@ def checkpointed_result(result: RunResult) -> dict:
 
 def restored_result(values: dict) -> RunResult:
     return RunResult(**{**values, "history": [EvalPoint(**point) for point in values["history"]]})
+
+
+def snapshot_path(run_dir: str | Path, samples: int) -> Path:
+    return Path(run_dir) / "snapshots" / f"samples_{samples}.pt"
+
+
+def save_snapshot(run_dir: str | Path, samples: int, state: dict) -> None:
+    """Publish a snapshot whole (a branch never reads half of one); one written before is kept: the run
+    that wrote it was the same up to here (a resumed run is exact)."""
+    path = snapshot_path(run_dir, samples)
+    if path.exists():
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda f: torch.save(state, f))
+    except OSError as error:
+        raise ConfigError(f"cannot write snapshot {path}: {error.strerror or error}") from None
+
+
+def load_snapshot(run_dir: str | Path, samples: int) -> dict:
+    path = snapshot_path(run_dir, samples)
+    if not path.is_file():
+        have = sorted(p.name for p in path.parent.glob("samples_*.pt")) if path.parent.is_dir() else []
+        raise ConfigError(f"trainer.branch_at={samples}: no snapshot {path}"
+                          + (f" (there: {', '.join(have)})" if have else " (the folder holds no snapshots)"))
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # a truncated or foreign file: one line, not a pickle traceback
+        raise ConfigError(f"snapshot {path} cannot be read ({type(error).__name__}); delete it and run the "
+                          "base run again") from None

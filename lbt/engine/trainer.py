@@ -58,6 +58,7 @@ class LoopSettings:
     compile: bool = False  # torch.compile the training forward
     channels_last: bool = False  # inputs (and the model, lbt/engine/build.py) in channels_last layout
     loader_workers: int = 0  # DataLoader worker processes, for datasets read sample by sample
+    snapshot_samples: tuple[int, ...] = ()  # samples seen at which `snapshot` is called (lbt probe's base run)
 
 
 def evaluation_steps(budget: Budget, evals: int) -> frozenset[int]:
@@ -77,6 +78,8 @@ def evaluation_steps(budget: Budget, evals: int) -> frozenset[int]:
 class Trainer:
     stop_requested: bool  # set by SIGTERM/SIGINT (lbt.engine.worker.stop_on_signals)
     on_step: Callable[[int], None] | None  # told each finished step (the local launcher's record of progress)
+    snapshot: Callable[[], None] | None  # called at settings.snapshot_samples (lbt/engine/branch.py)
+    diverge_above: float  # a train loss above this ends the run as diverged (a probe branch's limit)
 
     def __init__(self, parts: Parts, ctx: DistContext, settings: LoopSettings, logger: RunLogger | None = None,
                  checkpointer: Checkpointer | None = None, precision: Precision | None = None):
@@ -99,7 +102,7 @@ class Trainer:
         self.eval_split, self.eval_set = ("val", parts.data.val) if has_val else ("test", parts.data.test)
         self.eval_steps = evaluation_steps(self.budget, settings.evals)
         self.state, self.result, self.stop_requested = LoopState(), RunResult(eval_split=self.eval_split), False
-        self.on_step = None
+        self.on_step, self.snapshot, self.diverge_above = None, None, math.inf
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -159,6 +162,8 @@ class Trainer:
             leave = log_now and self.log_window(layout, lr, correct / labels.numel(), bar, steps)
             if s.step in self.eval_steps and s.step_in_epoch < steps:  # an epoch's end evaluates in end_epoch
                 self.validate(layout)
+            if self.snapshot is not None and s.samples_seen in self.settings.snapshot_samples:
+                self.snapshot()
             if leave:
                 break
             if bar is not None:
@@ -189,7 +194,8 @@ class Trainer:
         if bar is not None:
             bar.set_postfix(loss=f"{window.mean_loss:.4f}", acc=f"{local_acc:.3f}",
                             sps=f"{window.samples_per_sec:,.0f}")
-        if not math.isfinite(window.mean_loss):
+        if not math.isfinite(window.mean_loss) or window.mean_loss > self.diverge_above:
+            self.result.diverged = True
             return True
         # A stop asked for in the epoch's last step waits for the evaluation.
         self.result.stopped = window.stop and s.step_in_epoch < steps
@@ -199,7 +205,7 @@ class Trainer:
         """Evaluate, log and maybe checkpoint after an epoch; False when the run diverged."""
         s, result = self.state, self.result
         result.final_train_loss = train_loss
-        if not math.isfinite(train_loss):
+        if not math.isfinite(train_loss) or result.diverged:
             result.diverged = True
             self.say(f"epoch {s.epoch + 1}: train loss is {train_loss}; the run diverged, stopping early")
             return False
@@ -263,6 +269,9 @@ class Trainer:
             if factor is not None:  # each group's own decay (0 for excluded bias/norm parameters) x factor
                 group["weight_decay"] = group.setdefault("base_weight_decay", group["weight_decay"]) * factor
         return float(settings["lr"])  # type: ignore[arg-type]
+
+    def layout_now(self) -> BatchLayout:
+        return self.budget.layouts[min(self.state.epoch, len(self.budget.layouts) - 1)]
 
     def technique_metrics(self) -> dict[str, float]:
         return {key: value for t in self.techniques for key, value in t.metrics().items()}

@@ -25,8 +25,9 @@ from typing import Any, Callable, Mapping
 import torch
 
 from lbt.data.batches import loader_workers
+from lbt.engine.branch import start_branch, take_snapshot
 from lbt.engine.build import build_data, build_parts
-from lbt.engine.checkpoint import Checkpointer, full_state
+from lbt.engine.checkpoint import Checkpointer, full_state, load_snapshot
 from lbt.engine.outcome import finish, print_start
 from lbt.engine.precision import Precision
 from lbt.engine.trainer import LoopSettings, Trainer
@@ -220,7 +221,8 @@ def make_trainer(spec: RunSpec, ctx: pg.DistContext, run_dir: str, local_procs: 
     settings = LoopSettings(seed=t.seed, log_every=t.log_every, progress=t.progress, evals=t.evals,
                             fuse_workers=spec.dist.fuse_workers, checkpoint_every=t.checkpoint_every,
                             compile=t.compile, channels_last=t.channels_last,
-                            loader_workers=loader_workers(t.loader_workers, local_procs))
+                            loader_workers=loader_workers(t.loader_workers, local_procs),
+                            snapshot_samples=t.snapshot_samples)
     precision = Precision(t.precision, ctx.device.type)
     say_once(f"device={ctx.device} precision={precision.describe()} compile={settings.compile} "
              f"channels_last={settings.channels_last} loader_workers={settings.loader_workers}")
@@ -228,6 +230,11 @@ def make_trainer(spec: RunSpec, ctx: pg.DistContext, run_dir: str, local_procs: 
     if resume is not None:
         trainer.load_checkpoint(*resume)
         trainer.say(f"resumed from step {trainer.state.step} (epoch {trainer.state.epoch + 1}) in {run_dir}")
+    elif t.branch_from is not None:
+        assert t.branch_at is not None and t.branch_samples is not None  # TrainerSpec.check: all three or none
+        start_branch(trainer, load_snapshot(t.branch_from, t.branch_at), t.branch_samples, t.branch_diverge)
+    if t.snapshot_samples:
+        trainer.snapshot = lambda: take_snapshot(trainer, run_dir)
     return trainer
 
 

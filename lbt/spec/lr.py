@@ -119,6 +119,12 @@ class Schedule:
     betas: tuple[float, float] | None = None
     eps: float | None = None
     weight_decay_scaling: str = "none"  # none | timescale (`timescale_weight_decay`)
+    # A probe branch (lbt/apps/probe) at another batch than its base run: over `rewarm_samples` from
+    # `rewarm_from` the LR climbs linearly from `rewarm_start` x its value to its value, so the jump to
+    # the scaled LR is not taken in one step.
+    rewarm_from: int = 0
+    rewarm_samples: int = 0
+    rewarm_start: float = 1.0
 
 
 def lr_at(samples_seen: float, s: Schedule, global_batch: int | None = None) -> float:
@@ -152,6 +158,8 @@ def lr_at(samples_seen: float, s: Schedule, global_batch: int | None = None) -> 
     for at, multiplier in s.drops:
         if samples_seen >= at:
             lr *= multiplier
+    if s.rewarm_from <= samples_seen < s.rewarm_from + s.rewarm_samples:
+        lr *= s.rewarm_start + (1.0 - s.rewarm_start) * (samples_seen - s.rewarm_from) / s.rewarm_samples
     return lr
 
 

@@ -51,6 +51,15 @@ class TrainerSpec:
     compile: bool = False
     channels_last: bool = False
     loader_workers: int | None = None
+    # lbt probe (lbt/apps/probe): the base run saves its whole state at these samples seen, which does not
+    # change the run; a branch starts from such a snapshot of the run in `branch_from` at `branch_at` samples,
+    # trains `branch_samples` more at its own batch, and stops early (diverged) when its train loss passes
+    # `branch_diverge` x the val loss it started from.
+    snapshot_samples: tuple[int, ...] = ()
+    branch_from: str | None = None
+    branch_at: int | None = None
+    branch_samples: int | None = None
+    branch_diverge: float = 3.0
 
     def check(self) -> TrainerSpec:
         """Range checks the schema's types cannot express."""
@@ -67,6 +76,15 @@ class TrainerSpec:
         for key, value, low, high in optional:
             if value is not None:
                 integer(f"trainer.{key}", value, low, high)
+        for samples in self.snapshot_samples:
+            integer("trainer.snapshot_samples", samples)
+        branch = (self.branch_from, self.branch_at, self.branch_samples)
+        if any(v is not None for v in branch) and None in branch:
+            raise ConfigError("a branch needs trainer.branch_from, trainer.branch_at and trainer.branch_samples")
+        if self.branch_at is not None:
+            integer("trainer.branch_at", self.branch_at)
+            integer("trainer.branch_samples", self.branch_samples)
+        number("trainer.branch_diverge", self.branch_diverge, low=1, low_open=True)
         return self
 
 
@@ -151,8 +169,9 @@ def from_node(cls: type, node: Mapping[str, Any] | None, where: str) -> Any:
             close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
             hint = f"; did you mean {where}.{close[0]}?" if close else f" (keys: {', '.join(names)})"
             raise ConfigError(f"{where}.{key}: no such key in {where}{hint}")
-    if "milestones" in node:
-        node["milestones"] = tuple(node["milestones"] or ())
+    for f in fields(cls):  # lists in the config, tuples in the (frozen) spec
+        if isinstance(f.default, tuple) and f.name in node:
+            node[f.name] = tuple(node[f.name] or ())
     return cls(**node)
 
 
@@ -257,7 +276,7 @@ def check_adam_settings(schedule: ScheduleSpec, optim: Target) -> None:
 MAY_CHANGE = (
     "trainer.epochs", "trainer.max_steps", "trainer.resume", "trainer.progress", "trainer.log_every",
     "trainer.evals", "trainer.device", "trainer.threads", "trainer.checkpoint_every", "trainer.keep_checkpoints",
-    "trainer.compile", "trainer.channels_last", "trainer.loader_workers",
+    "trainer.compile", "trainer.channels_last", "trainer.loader_workers", "trainer.snapshot_samples",
     "dist.procs",  # checked on its own: the per-process files need the same count
     "dist.backend", "dist.timeout_s", "dist.fuse_workers", "dist.max_restarts",
     "data.data_dir", "data.root", "recipe", "overrides", "tune", "study", "extra_sweeps",

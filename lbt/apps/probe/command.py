@@ -1,0 +1,194 @@
+"""`lbt probe`: the critical batch from one base run and short branches from its snapshots (no full sweep).
+
+    lbt probe [overrides] [probe.KEY=VALUE ...]
+      1. compose and check the run as `lbt train` would; lay out snapshots and branches (plan.py)
+      2. say what it costs (samples, and minutes from a short timed run) before it starts
+      3. the base run, saving snapshots (trainer.snapshot_samples), in DIR/base
+      4. rounds of branches, each a Hydra multirun (so hydra/launcher=... runs them side by side, or on
+         SLURM): k=1 with every seed, then k=2, 4, ... at the checkpoints still open (two failed factors
+         in a row close one), in DIR/branches/at<samples>_w<world size>_seed<seed>
+      5. read them (analysis.py) and write probe.json, probe.md, the figures and TensorBoard (output.py)
+
+Run again with the same command (and probe.dir) and it continues: a finished base run or branch is
+read, never run again or overwritten; a branch that was cut off is run again from its snapshot.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from lbt.apps.compose import compose
+from lbt.apps.errors import fail
+from lbt.apps.probe.analysis import analyse, branch_dir, branch_done, branch_verdicts
+from lbt.apps.probe.output import write_outputs
+from lbt.apps.probe.plan import SWEEP_SEEDS, ProbePlan, make_plan
+from lbt.apps.probe.settings import ProbeSettings, split_args
+from lbt.apps.train import train_command
+from lbt.engine import make_spec, run
+from lbt.engine.build import build_data
+from lbt.errors import ConfigError
+from lbt.spec.result import ResultError, read_result
+from lbt.spec.run import RunSpec
+
+PROBE_HELP = """usage: lbt probe [overrides] [probe.KEY=VALUE ...]
+
+The largest global batch (GPU count) that stays within the study's tolerance of the base batch,
+predicted from one base run and short branches from its snapshots instead of a full sweep.
+
+  lbt probe                                  the default run (cnn1d on MNIST-1D, baseline recipe)
+  lbt probe recipe=goyal2017 model=mlp       any `lbt train` override sets the base run
+  lbt probe hydra/launcher=local_parallel    branches side by side (submitit on SLURM)
+  probe.dir=runs/probe/mine                  where it goes; the same command continues it
+  probe.checkpoints=5 probe.first=0.02 probe.last=0.7   snapshots, log-uniform in the budget
+  probe.max_factor=128 probe.delta=0.1       branches at k x the base batch, each 10% of the budget
+  probe.seeds=3                              k=1 branches over data orders: the noise floor
+  probe.metric=acc probe.tolerance=1         the study's criterion (points; loss: nats, 0.05)
+"""
+
+# Keys a branch sets itself: the user's values for them define the base run only.
+BRANCH_KEYS = ("dist.world_size", "trainer.global_batch", "trainer.per_worker_batch", "trainer.seed",
+               "trainer.resume", "hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir", "trainer.evals",
+               "trainer.checkpoint_every", "trainer.log_every", "trainer.progress")
+
+
+def probe_command(args: list[str]) -> None:
+    if any(a in ("-h", "--help") for a in args):
+        print(PROBE_HELP)
+        return
+    started = time.perf_counter()
+    try:
+        settings, overrides = split_args(args)
+        spec, plan = plan_probe(settings, overrides)
+    except ConfigError as error:
+        fail(str(error))
+    folder = Path(settings.dir)
+    claim_folder(folder, settings, overrides)
+    say_cost(spec, plan, folder)
+    base = run_base(folder, plan, overrides)
+    run_branches(folder, plan, settings, overrides, base)
+    probe = analyse(folder, plan, settings, base)
+    probe["cost"]["wall_seconds"] = round(time.perf_counter() - started, 1)
+    write_outputs(folder, probe)
+    print(f"probe finished in {time.perf_counter() - started:.0f} s: {probe['answer']['sentence']}")
+    print(f"report: {(folder / 'probe.md').resolve()}")
+
+
+def plan_probe(settings: ProbeSettings, overrides: list[str]) -> tuple[RunSpec, ProbePlan]:
+    if any(o.startswith("-") for o in overrides):
+        raise ConfigError(f"lbt probe takes overrides and probe.KEY=VALUE settings, not {overrides[0]}")
+    composed = compose([o for o in overrides if not o.startswith("hydra")])
+    spec = make_spec(composed.config, composed.recipe, overrides)
+    if spec.trainer.branch_from is not None or spec.trainer.snapshot_samples:
+        raise ConfigError("lbt probe sets trainer.snapshot_samples and trainer.branch_* itself")
+    data = build_data(spec.data)
+    return spec, make_plan(spec, len(data.train), settings)
+
+
+def claim_folder(folder: Path, settings: ProbeSettings, overrides: list[str]) -> None:
+    """The probe folder holds one probe: a rerun with other overrides or settings is refused, not mixed in."""
+    record = {"overrides": overrides, "settings": {k: v for k, v in vars(settings).items() if k != "dir"}}
+    path = folder / "probe_command.json"
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved != record:
+            changed = sorted({*saved["settings"].items()} ^ {*record["settings"].items()})
+            what = ", ".join(sorted({f"probe.{k}" for k, _ in changed})) or "the overrides"
+            fail(f"{folder} holds another probe (it differs in {what}): give another probe.dir, "
+                 f"or the same command to continue it")
+    elif folder.exists() and any(folder.iterdir()):
+        fail(f"probe.dir={folder} is not empty and holds no probe: give a new folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1))
+
+
+def say_cost(spec: RunSpec, plan: ProbePlan, folder: Path) -> None:
+    """Before anything runs: the samples to train at most, against the sweep's, and the time it may take."""
+    rate = timed_rate(spec)
+    most = plan.most_samples
+    print(f"probe: base run of {plan.budget:,} samples at global batch {plan.base_batch:,} with snapshots at "
+          f"{', '.join(f'{c:,}' for c in plan.checkpoints)}; branches of {plan.branch_samples:,} samples at "
+          f"{plan.factors[0]}x..{plan.factors[-1]}x")
+    print(f"probe: at most {most:,} samples ({most / plan.sweep_samples:.0%} of the sweep it replaces: "
+          f"{len(plan.factors)} world sizes x {SWEEP_SEEDS} seeds, {plan.sweep_samples:,} samples); "
+          f"about {most / rate / 60:.1f} min at {rate:,.0f} samples/s measured here (less when branches "
+          f"stop early or are pruned); folder {folder.resolve()}", flush=True)
+
+
+def timed_rate(spec: RunSpec) -> float:
+    """Samples per second of the base run on this machine, from 20 steps of it (one epoch at most)."""
+    quick = spec.with_trainer(max_steps=20, evals=0, checkpoint_every=0, progress=False)
+    with tempfile.TemporaryDirectory(prefix="lbt-probe-timing-") as scratch:
+        result = run(quick, scratch)
+    return max(result.samples_per_sec, 1.0)
+
+
+def run_base(folder: Path, plan: ProbePlan, overrides: list[str]) -> Path:
+    """The base run with its snapshots; a finished one is read, an interrupted one continued."""
+    base = folder / "base"
+    if not finished(base):
+        print(f"probe: base run -> {base}", flush=True)
+        snapshots = ",".join(str(c) for c in plan.checkpoints)
+        train_command([*overrides, f"trainer.snapshot_samples=[{snapshots}]", "trainer.resume=auto",
+                       f"hydra.run.dir={base}"])
+    if not finished(base):
+        fail(f"the base run in {base} did not finish; run the same command again to continue it")
+    result = read_result(base)
+    if result.diverged or result.failed:
+        fail(f"the base run diverged ({base}): probe a recipe that trains at the base batch")
+    return base
+
+
+def finished(run_dir: Path) -> bool:
+    try:
+        result = read_result(run_dir)
+    except (ResultError, FileNotFoundError, OSError):
+        return False
+    return not result.stopped
+
+
+def run_branches(folder: Path, plan: ProbePlan, settings: ProbeSettings, overrides: list[str], base: Path) -> None:
+    """k=1 at every checkpoint and seed, then each larger factor at the checkpoints still open."""
+    common = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in BRANCH_KEYS]
+    common += [f"trainer.branch_from={base.resolve()}", f"trainer.branch_samples={plan.branch_samples}",
+               f"trainer.branch_diverge={settings.diverge}", f"trainer.evals={settings.evals}",
+               f"trainer.per_worker_batch={plan.per_worker_batch}", "trainer.checkpoint_every=0",
+               "trainer.log_every=1", "trainer.progress=false", f"hydra.sweep.dir={folder.resolve()}/branches",
+               "hydra.sweep.subdir=at${trainer.branch_at}_w${dist.world_size}_seed${trainer.seed}"]
+    for factor in plan.factors:
+        seeds = plan.seeds if factor == 1 else plan.seeds[:1]
+        open_points = [c for c in plan.checkpoints if factor == 1 or still_open(folder, plan, settings, c, factor)]
+        for seed in seeds:
+            todo = [c for c in open_points if not branch_done(folder, plan, c, factor, seed)]
+            if not todo:
+                continue
+            for at in todo:  # cut off earlier: run again from its snapshot
+                shutil.rmtree(branch_dir(folder, plan, at, factor, seed), ignore_errors=True)
+            print(f"probe: {len(todo)} branch(es) at {factor}x (global batch {plan.batch(factor):,}), seed {seed}",
+                  flush=True)
+            multirun([*common, f"dist.world_size={factor * plan.world_size}", f"trainer.seed={seed}",
+                      f"trainer.branch_at={','.join(str(c) for c in todo)}"])
+            if not all(branch_done(folder, plan, c, factor, seed) for c in todo):
+                fail("branches did not finish (stopped?); run the same command again to continue the probe")
+
+
+def still_open(folder: Path, plan: ProbePlan, settings: ProbeSettings, at: int, factor: int) -> bool:
+    """A checkpoint stays open until two factors in a row failed (or its k=1 branch did)."""
+    verdicts = branch_verdicts(folder, plan, settings, at, [k for k in plan.factors if k < factor])
+    if verdicts.get(1) is False:
+        return False
+    tried = [verdicts[k] for k in sorted(verdicts) if k > 1]
+    return not (len(tried) >= 2 and not tried[-1] and not tried[-2])
+
+
+def multirun(overrides: list[str]) -> None:
+    try:
+        train_command(["-m", *overrides], report_failures=False)
+    except SystemExit as done:
+        if done.code not in (0, None):
+            raise
+    sys.stdout.flush()

@@ -1,0 +1,130 @@
+"""The probe folder's outputs: probe.json (every number), probe.md, two figures, TensorBoard scalars."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from lbt.apps.plotting import batch_axis, figure, save_figure
+from lbt.metrics.tensorboard import RunLogger
+from lbt.paths import atomic_write
+from lbt.spec.objective import metric_named
+
+
+def plain(value: Any) -> Any:
+    """JSON's numbers: a non-finite float (an unmeasured floor, a diverged branch's loss) is null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+def write_outputs(folder: Path, probe: dict[str, Any]) -> None:
+    atomic_write(folder / "probe.json", lambda f: f.write(json.dumps(plain(probe), indent=1).encode()))
+    plot_over_training(folder / "critical_batch_over_training.png", probe)
+    plot_branches(folder / "branches.png", probe)
+    log_tensorboard(folder / "tb", probe)
+    atomic_write(folder / "probe.md", lambda f: f.write(markdown(probe).encode()))
+
+
+def plot_over_training(path: Path, probe: dict[str, Any]) -> None:
+    """Local critical batch vs samples seen: the batch that held, a bar up to the first that failed
+    (an arrow where nothing failed), hollow where not resolved; the fitted noise scale beside it."""
+    fig, ax = figure()
+    for point in probe["checkpoints"]:
+        verdict, at = point["local_critical"], point["samples"]
+        top = verdict["failed"] or verdict["held"] * 2
+        ax.plot([at, at], [verdict["held"], top], color="C0", lw=3, alpha=0.35)
+        ax.plot([at], [verdict["held"]], "o", color="C0", mfc="C0" if verdict["resolved"] else "white",
+                label="local critical batch (held; bar: to the first that failed)" if at == probe["checkpoints"][0]
+                ["samples"] else None)
+        ax.plot([at], [point["noise_scale"]], "s", color="C1", ms=4,
+                label="B_noise fitted to the branches" if at == probe["checkpoints"][0]["samples"] else None)
+    ax.set_xscale("log")
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("samples seen by the base run")
+    ax.set_ylabel("global batch")
+    ax.legend(fontsize=8)
+    save_figure(fig, path, f"critical batch over training (hollow: not resolved); answer: "
+                           f"{probe['answer']['largest_batch']:,}")
+
+
+def plot_branches(path: Path, probe: dict[str, Any]) -> None:
+    """One panel per checkpoint: each branch's held-out value after its samples against its batch, the
+    tolerance band under the k=1 branch, the k=1 seeds' spread (the noise floor)."""
+    metric = metric_named(probe["settings"]["metric"], "probe.metric")
+    points = probe["checkpoints"]
+    fig, axes = figure(len(points), width=3.2 * len(points), height=3.2)
+    axes = axes if len(points) > 1 else [axes]
+    for ax, point in zip(axes, points):
+        branches = [b for b in point["branches"] if b["value"] is not None and math.isfinite(b["value"])]
+        ones = [b for b in branches if b["factor"] == 1]
+        ax.plot([b["global_batch"] for b in branches], [b["value"] * metric.scale for b in branches], "o", ms=4)
+        if ones:
+            reference = ones[0]["value"] * metric.scale
+            edge = metric.worse_by(ones[0]["value"], probe["settings"]["tolerance"]) * metric.scale
+            ax.axhspan(min(reference, edge), max(reference, edge), color="C2", alpha=0.15)
+        failed = [b["global_batch"] for b in point["branches"] if b not in branches]
+        for batch in failed:
+            ax.axvline(batch, color="C3", ls=":", lw=1)
+        batch_axis(ax)
+        ax.set_title(f"at {point['samples']:,} samples ({point['fraction']:.0%})", fontsize=8)
+    axes[0].set_ylabel(f"val {metric.label} after the branch")
+    save_figure(fig, path, "branches per checkpoint (green: within tolerance of k=1; dotted: diverged)")
+
+
+def log_tensorboard(folder: Path, probe: dict[str, Any]) -> None:
+    logger = RunLogger(folder)
+    for point in probe["checkpoints"]:
+        at, verdict = point["samples"], point["local_critical"]
+        values = {"probe/local_critical_batch": float(verdict["held"]), "probe/noise_scale_fit": point["noise_scale"]}
+        for branch in point["branches"]:
+            if branch["seed"] == probe["settings"].get("base_seed", branch["seed"]) and branch["loss"] is not None:
+                values[f"probe/branch_loss/k{branch['factor']:04d}"] = branch["loss"]
+        logger.scalars({k: v for k, v in values.items() if v is not None and math.isfinite(v)}, at, at)
+    logger.close()
+
+
+def markdown(probe: dict[str, Any]) -> str:
+    answer, base, cost, settings = probe["answer"], probe["base"], probe["cost"], probe["settings"]
+    metric = metric_named(settings["metric"], "probe.metric")
+    lines = [f"# lbt probe: {answer['sentence']}", "",
+             f"Measured by branching: one base run at global batch {base['global_batch']:,} "
+             f"({base['world_size']} GPU(s) x {base['per_worker_batch']}), {len(probe['checkpoints'])} snapshots, "
+             f"branches at 1x..{settings['max_factor']}x of {settings['delta']:.0%} of the budget each, judged by "
+             f"{metric.label} within {settings['tolerance']:g} {metric.unit}(s) of the k=1 branch; "
+             f"{settings['seeds']} k=1 seeds give the noise floor.", "",
+             f"Cost: {cost['samples']:,} samples in {cost['branches']} branches and the base run = "
+             f"{cost['share']:.0%} of the sweep it replaces ({cost['sweep_samples']:,} samples); "
+             f"{cost.get('wall_seconds', 0):.0f} s here.", "",
+             "## Local critical batch over training", "",
+             "![critical batch over training](critical_batch_over_training.png)", "",
+             "| samples seen | of budget | start val acc | noise floor | held | failed | resolved | B_noise fit |",
+             "|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for p in probe["checkpoints"]:
+        v, start = p["local_critical"], p["start"] or {}
+        floor = "n/a" if p["noise_floor"] is None or not math.isfinite(p["noise_floor"]) else f"{p['noise_floor']:.3g}"
+        lines.append(f"| {p['samples']:,} | {p['fraction']:.1%} | {start.get('acc', math.nan):.4f} | {floor} | "
+                     f"{v['held']:,} | {v['failed'] or '-'} | {'yes' if v['resolved'] else 'no'} | "
+                     f"{p['noise_scale']:,.0f} |")
+    lines += ["", "![branches](branches.png)", "", "## From the checkpoints to the answer", "",
+              "A from-scratch run at batch B needs, in each phase of training (from one checkpoint to the next), "
+              "E(B)/E(B0) = (1 + B/B_noise)/(1 + B0/B_noise) times the base run's samples (McCandlish et al. "
+              "2018), with B_noise fitted to that checkpoint's branches (how many samples the k=1 branch needed to "
+              f"reach each branch's loss). The base run reached its final {metric.label} less the tolerance "
+              f"after {base['reach_samples']:,} samples; B passes when it needs at most the budget "
+              f"({base['budget_samples']:,}) to get there.", "",
+              "| global batch | samples needed | within budget |", "|---:|---:|---|"]
+    for batch, need in answer["need_samples"].items():
+        lines.append(f"| {int(batch):,} | {need:,.0f} | {'yes' if need <= base['budget_samples'] else 'no'} |")
+    schedule = " -> ".join(f"{s['global_batch']:,} from {s['from_samples']:,}" for s in probe["batch_schedule"])
+    lines += ["", "## Batch-size schedule", "",
+              f"Start at the base batch and double it whenever the local critical batch reaches twice the "
+              f"current one: {schedule}. Train with it: `lbt train ... technique=batch_ramp "
+              f"technique.batch_ramp.mode=probe technique.batch_ramp.probe=<this folder>/probe.json`.", ""]
+    return "\n".join(lines)

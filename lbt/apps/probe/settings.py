@@ -1,0 +1,91 @@
+"""`lbt probe`'s own settings (`probe.KEY=VALUE` on its command line), checked at once: one line per mistake."""
+
+from __future__ import annotations
+
+import difflib
+import math
+import time
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from lbt.errors import ConfigError
+from lbt.spec.objective import Metric, metric_named
+from lbt.spec.validate import integer, number
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    checkpoints: int = 5  # K snapshots of the base run, log-uniform in samples seen from `first` to `last`
+    first: float = 0.02  # of the budget
+    last: float = 0.7
+    max_factor: int = 128  # branches at k x the base batch, k = 1, 2, 4, ... up to this
+    delta: float = 0.1  # each branch's samples, as a fraction of the budget
+    seeds: int = 3  # k=1 branches with different data orders at each checkpoint (the noise floor)
+    metric: str = "acc"  # the study's criterion: acc (points) or loss (nats)
+    tolerance: float | None = None  # in the metric's units; default: the study's (1 point, 0.05 nats)
+    evals: int = 8  # evaluations over each branch (the k=1 curve the samples ratio reads)
+    diverge: float = 3.0  # a branch whose train loss passes this x its start loss stops, failed
+    dir: str = ""  # the probe folder; default runs/probe/<date>_<time>
+
+    @property
+    def criterion(self) -> Metric:
+        return metric_named(self.metric, "probe.metric")
+
+    @property
+    def within(self) -> float:
+        return self.criterion.default_tolerance if self.tolerance is None else self.tolerance
+
+    @property
+    def factors(self) -> list[int]:
+        return [2**i for i in range(int(math.log2(self.max_factor)) + 1)]
+
+    def check(self) -> ProbeSettings:
+        integer("probe.checkpoints", self.checkpoints, 1, 50)
+        number("probe.first", self.first, low=0, high=1, low_open=True, high_open=True)
+        number("probe.last", self.last, low=self.first, high=1, high_open=True)
+        factor = integer("probe.max_factor", self.max_factor, 2, 1 << 20)
+        if factor & (factor - 1):
+            raise ConfigError(f"probe.max_factor={factor}: give a power of two (branches double the batch)")
+        number("probe.delta", self.delta, low=0, high=1, low_open=True)
+        integer("probe.seeds", self.seeds, 2, 16)
+        self.criterion  # noqa: B018 (checks the name)
+        if self.tolerance is not None:
+            number("probe.tolerance", self.tolerance, low=0, low_open=True)
+        integer("probe.evals", self.evals, 1, 100)
+        number("probe.diverge", self.diverge, low=1, low_open=True)
+        return self
+
+
+def split_args(args: list[str]) -> tuple[ProbeSettings, list[str]]:
+    """(the probe's settings, the rest: `lbt train` overrides and Hydra's launcher choice)."""
+    values: dict[str, Any] = {}
+    rest = []
+    names = [f.name for f in fields(ProbeSettings)]
+    for arg in args:
+        if not arg.startswith("probe."):
+            rest.append(arg)
+            continue
+        key, _, value = arg.removeprefix("probe.").partition("=")
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"; did you mean probe.{close[0]}?" if close else f" (keys: {', '.join(names)})"
+            raise ConfigError(f"probe.{key}: no such setting{hint}")
+        if not value:
+            raise ConfigError(f"probe.{key} needs a value (probe.{key}=VALUE)")
+        values[key] = read_value(key, value)
+    settings = ProbeSettings(**values)
+    if not settings.dir:
+        settings = replace(settings, dir=f"runs/probe/{time.strftime('%Y-%m-%d_%H-%M-%S')}")
+    return settings.check(), rest
+
+
+def read_value(key: str, text: str) -> Any:
+    if key in ("metric", "dir"):
+        return text
+    if key == "tolerance" and text in ("null", "none"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"probe.{key}={text}: not a number") from None
+    return int(value) if key in ("checkpoints", "max_factor", "seeds", "evals") and value.is_integer() else value
