@@ -3,12 +3,16 @@
 mode=milestones: at fixed epochs, instead of decaying the LR (Smith, Kindermans, Ying, Le 2017).
 mode=auto: whenever the measured gradient noise scale outgrows the batch (McCandlish et al. 2018;
 Merrill et al. 2025, "Critical Batch Size Revisited"; Gray et al. 2024).
+mode=probe: the batch schedule `lbt probe` measured (its probe.json): double the batch where the local
+critical batch reached twice the current one (Merrill et al. 2025, sec. 5).
 """
 
 from __future__ import annotations
 
 import bisect
+import json
 import math
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -20,14 +24,21 @@ from lbt.spec.validate import integer, number, one_of
 from lbt.techniques.base import Technique
 from lbt.techniques.gns import GradientNoiseScale
 
-MODES = ("milestones", "auto")
+MODES = ("milestones", "auto", "probe")
 
 
 def batch_ramp(mode: str = "milestones", milestones: list[float] = (3, 6, 8), factor: int = 2,
                max_global_batch: int | None = None, grow: str = "per_worker_batch", threshold: float = 1.0,
-               ema_decay: float = 0.95) -> Technique:
-    """The `technique.batch_ramp` node: a BatchRamp (milestones) or an AutoBatchRamp (auto)."""
+               ema_decay: float = 0.95, probe: str | None = None) -> Technique:
+    """The `technique.batch_ramp` node: a BatchRamp (milestones), an AutoBatchRamp (auto) or a ProbeBatchRamp."""
     one_of("technique.batch_ramp.mode", mode, MODES)
+    if mode == "probe":
+        if probe is None:
+            raise ConfigError("technique.batch_ramp.mode=probe needs technique.batch_ramp.probe=DIR/probe.json "
+                              "(written by `lbt probe`)")
+        return ProbeBatchRamp(read_batch_schedule(probe), max_global_batch, grow)
+    if probe is not None:
+        raise ConfigError("technique.batch_ramp.probe is read by mode=probe only")
     if mode == "auto":
         return AutoBatchRamp(factor, max_global_batch, grow, threshold, ema_decay)
     return BatchRamp(milestones, factor, max_global_batch, grow)
@@ -188,3 +199,56 @@ class AutoBatchRamp(GradientNoiseScale):
         cap = f" up to {self.max_global_batch:,}" if self.max_global_batch else ""
         return (f"batch x{self.factor} while B_simple > {self.threshold:g} x batch, at epoch ends{cap} "
                 f"(via {self.grow})")
+
+
+def read_batch_schedule(path: str) -> list[tuple[int, int]]:
+    """probe.json's `batch_schedule` as (from samples, global batch), or one line saying why not."""
+    file = Path(path).expanduser()
+    if file.is_dir():
+        file = file / "probe.json"
+    try:
+        entries = json.loads(file.read_text())["batch_schedule"]
+        schedule = [(int(e["from_samples"]), int(e["global_batch"])) for e in entries]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ConfigError(f"technique.batch_ramp.probe={path}: not a probe.json with a batch_schedule "
+                          f"({type(error).__name__}: {error})") from None
+    if not schedule or schedule != sorted(schedule) or any(b <= 0 for _, b in schedule):
+        raise ConfigError(f"technique.batch_ramp.probe={path}: its batch_schedule is empty or out of order")
+    return schedule
+
+
+class ProbeBatchRamp(Technique):
+    """The batch schedule `lbt probe` measured, laid out before training: each epoch runs at the batch the
+    schedule holds at the samples seen when it starts (a batch layout lives for an epoch), grown from the
+    configured layout by more workers or bigger ones. The LR follows the scaling rule at the batch reached."""
+
+    name = "batch_ramp"
+    order = 5
+    lr_follows_batch = True
+
+    def __init__(self, schedule: list[tuple[int, int]], max_global_batch: int | None = None,
+                 grow: str = "per_worker_batch"):
+        self.grow = one_of("technique.batch_ramp.grow", grow, ("per_worker_batch", "world_size"))
+        self.schedule = schedule
+        self.max_global_batch = max_global_batch
+        self.batches: list[int] = []
+
+    def epoch_layouts(self, layouts: list[BatchLayout], num_train: int, after_epoch: int | None = None,
+                      samples_seen: int = 0) -> list[BatchLayout]:
+        if after_epoch is not None:  # decided before training
+            return layouts
+        start, seen, laid = layouts[0], 0, []
+        cap = min(self.max_global_batch or num_train, num_train)
+        for _ in layouts:
+            batch = min(max(b for at, b in self.schedule if at <= seen or at == self.schedule[0][0]), cap)
+            if batch % start.global_batch:
+                raise ConfigError(f"technique.batch_ramp.mode=probe: the schedule's batch {batch:,} is not a multiple "
+                                  f"of this run's global batch {start.global_batch:,} (probe with the same batch)")
+            layout = start.grown(batch // start.global_batch, self.grow) if batch > start.global_batch else start
+            laid.append(layout)
+            seen += layout.steps_per_epoch(num_train) * layout.global_batch
+        self.batches = [layout.global_batch for layout in laid]
+        return laid
+
+    def describe(self) -> str:
+        return f"probe's batch schedule: {' -> '.join(f'{b:,}' for b in self.batches)} by epoch (via {self.grow})"
