@@ -40,11 +40,12 @@ def take_snapshot(trainer: Trainer, run_dir: str) -> None:
     """The run's state now into run_dir/snapshots/ (every rank calls; rank 0 writes), with the
     held-out loss and accuracy here (evaluated now unless this step just was)."""
     s, history = trainer.state, trainer.result.history
-    point = history[-1] if history and history[-1].step == s.step else trainer.validate(trainer.layout_now())
+    layout = trainer.budget.layouts[min(s.epoch, len(trainer.budget.layouts) - 1)]
+    point = history[-1] if history and history[-1].step == s.step else trainer.validate(layout)
     state = {"model": full_state(trainer.model.state_dict(), trainer.ctx),
              "optimizer": full_state(trainer.optimizer.state_dict(), trainer.ctx),
              "buffers": {k: v.detach().clone() for k, v in trainer.model.named_buffers()},
-             "loop": asdict(s), "global_batch": trainer.layout_now().global_batch,
+             "loop": asdict(s), "global_batch": layout.global_batch,
              "total_samples": trainer.schedule.total_samples, "point": asdict(point)}
     if trainer.ctx.is_main:
         save_snapshot(run_dir, s.samples_seen, state)

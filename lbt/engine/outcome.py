@@ -20,7 +20,8 @@ from lbt.spec.run import RunSpec
 
 def print_start(spec: RunSpec, parts: Parts, run_dir: str) -> None:
     """The resolved config, then one line with the batch arithmetic and the LR it leads to."""
-    say(yaml.safe_dump(dict(spec.config), sort_keys=False, default_flow_style=False, allow_unicode=True).rstrip())
+    say(yaml.safe_dump(dict(spec.config), sort_keys=False, default_flow_style=False, allow_unicode=True).rstrip(),
+        kind="config")
     techniques = [t.describe() for t in parts.techniques]
     if parts.strategy.name != "synchronous":
         techniques.insert(0, parts.strategy.describe())
@@ -80,7 +81,7 @@ def finish(spec: RunSpec, parts: Parts, result: RunResult, run_dir: str, logger:
     atomic_write(Path(run_dir) / "final_model.pt", lambda f: torch.save(model_state, f))
     write_result(run_dir, result)
     say(f"done: {closing_scores(result)} steps={result.steps} samples/s={result.samples_per_sec:,.0f} "
-        f"wall={result.wall_seconds:.1f}s -> {run_dir}/result.json")
+        f"wall={result.wall_seconds:.1f}s -> {run_dir}/result.json", kind="result")
     return result
 
 

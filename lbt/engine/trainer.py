@@ -144,7 +144,7 @@ class Trainer:
             for technique in self.techniques:
                 technique.on_epoch_start(s.epoch, self.model)
         self.runner.prepare(self.budget.layouts, layout)
-        bar = self._bar(s.epoch, steps, s.step_in_epoch)  # the steps this epoch takes (max_steps may cut it)
+        bar = progress_bar(self, steps)  # the steps this epoch takes (max_steps may cut it)
         self.window.start()
         self.timer.phase("data")
         for inputs, labels in self.batches(layout).epoch(s.epoch, s.step_in_epoch, steps):
@@ -270,9 +270,6 @@ class Trainer:
                 group["weight_decay"] = group.setdefault("base_weight_decay", group["weight_decay"]) * factor
         return float(settings["lr"])  # type: ignore[arg-type]
 
-    def layout_now(self) -> BatchLayout:
-        return self.budget.layouts[min(self.state.epoch, len(self.budget.layouts) - 1)]
-
     def technique_metrics(self) -> dict[str, float]:
         return {key: value for t in self.techniques for key, value in t.metrics().items()}
 
@@ -286,15 +283,6 @@ class Trainer:
         return scores
 
     # -- output ---------------------------------------------------------------
-    def _bar(self, epoch: int, steps: int, done: int) -> Any:
-        if not (self.settings.progress and self.ctx.is_main):
-            return None
-        from tqdm import tqdm
-
-        epochs = sum(1 for n in self.budget.steps if n)  # the epochs that take a step (max_steps may end early)
-        return tqdm(total=steps, initial=done, desc=f"epoch {epoch + 1}/{epochs}", unit="step",
-                    leave=False, dynamic_ncols=True)
-
     def say(self, line: str) -> None:
         say_once(line)
 
@@ -331,3 +319,14 @@ class Trainer:
             technique.load_state_dict(own["techniques"].get(technique.name, {}))
         self.strategy.load_state_dict(own["strategy"])
         set_rng_state(own["rng"])
+
+
+def progress_bar(trainer: Trainer, steps: int) -> Any:
+    """A tqdm bar over the `steps` the current epoch takes, on the main process when asked for."""
+    if not (trainer.settings.progress and trainer.ctx.is_main):
+        return None
+    from tqdm import tqdm
+
+    epochs = sum(1 for n in trainer.budget.steps if n)  # the epochs that take a step (max_steps may end early)
+    return tqdm(total=steps, initial=trainer.state.step_in_epoch, desc=f"epoch {trainer.state.epoch + 1}/{epochs}",
+                unit="step", leave=False, dynamic_ncols=True)

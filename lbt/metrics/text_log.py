@@ -11,6 +11,7 @@ processes of lbt's local launcher are spawned, and Hydra configured logging only
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,6 +21,13 @@ import torch.distributed as dist
 LOG = logging.getLogger("lbt.run")
 LOG.setLevel(logging.INFO)
 LOG.propagate = False  # Hydra's root handlers would print every line a second time
+
+# How much of it the console shows (train.log always gets everything): full; brief (not the resolved
+# config); quiet (a run's closing line and stderr only); silent (stderr only). Set by commands that run
+# many jobs (`lbt probe`): an environment variable, so the processes of Hydra's launchers see it too.
+CONSOLE = "LBT_RUN_CONSOLE"
+SHOWN = {"full": ("config", "progress", "result"), "brief": ("progress", "result"), "quiet": ("result",),
+         "silent": ()}
 
 
 @contextmanager
@@ -39,9 +47,11 @@ def text_log(run_dir: str | Path | None):
         handler.close()
 
 
-def say(line: str, stderr: bool = False) -> None:
-    """Print a line (stdout, or stderr for warnings and notes) and write it to the run's train.log."""
-    print(line, file=sys.stderr if stderr else sys.stdout, flush=True)
+def say(line: str, stderr: bool = False, kind: str = "progress") -> None:
+    """Print a line (stdout, or stderr for warnings and notes) and write it to the run's train.log.
+    `kind` (config, progress, result) decides whether the console shows it (see CONSOLE)."""
+    if stderr or kind in SHOWN.get(os.environ.get(CONSOLE, "full"), SHOWN["full"]):
+        print(line, file=sys.stderr if stderr else sys.stdout, flush=True)
     LOG.info(line)
 
 

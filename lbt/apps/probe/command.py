@@ -16,6 +16,7 @@ read, never run again or overwritten; a branch that was cut off is run again fro
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -32,6 +33,7 @@ from lbt.apps.train import train_command
 from lbt.engine import make_spec, run
 from lbt.engine.build import build_data
 from lbt.errors import ConfigError
+from lbt.metrics.text_log import CONSOLE
 from lbt.spec.result import ResultError, read_result
 from lbt.spec.run import RunSpec
 
@@ -68,8 +70,11 @@ def probe_command(args: list[str]) -> None:
         fail(str(error))
     folder = Path(settings.dir)
     claim_folder(folder, settings, overrides)
+    os.environ[CONSOLE] = "silent"  # the timed steps say nothing (each job's train.log has all it says)
     say_cost(spec, plan, folder)
+    os.environ[CONSOLE] = "brief"  # the base run's epochs, without its config
     base = run_base(folder, plan, overrides)
+    os.environ[CONSOLE] = "quiet"  # a branch's closing line only
     run_branches(folder, plan, settings, overrides, base)
     probe = analyse(folder, plan, settings, base)
     probe["cost"]["wall_seconds"] = round(time.perf_counter() - started, 1)
@@ -115,8 +120,12 @@ def say_cost(spec: RunSpec, plan: ProbePlan, folder: Path) -> None:
           f"{plan.factors[0]}x..{plan.factors[-1]}x")
     print(f"probe: at most {most:,} samples ({most / plan.sweep_samples:.0%} of the sweep it replaces: "
           f"{len(plan.factors)} world sizes x {SWEEP_SEEDS} seeds, {plan.sweep_samples:,} samples); "
-          f"about {most / rate / 60:.1f} min at {rate:,.0f} samples/s measured here (less when branches "
+          f"about {duration(most / rate)} at {rate:,.0f} samples/s measured here (less when branches "
           f"stop early or are pruned); folder {folder.resolve()}", flush=True)
+
+
+def duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
 def timed_rate(spec: RunSpec) -> float:
@@ -158,6 +167,7 @@ def run_branches(folder: Path, plan: ProbePlan, settings: ProbeSettings, overrid
                f"trainer.branch_diverge={settings.diverge}", f"trainer.evals={settings.evals}",
                f"trainer.per_worker_batch={plan.per_worker_batch}", "trainer.checkpoint_every=0",
                "trainer.log_every=1", "trainer.progress=false", f"hydra.sweep.dir={folder.resolve()}/branches",
+               "hydra/hydra_logging=disabled", "hydra/job_logging=disabled",
                "hydra.sweep.subdir=at${trainer.branch_at}_w${dist.world_size}_seed${trainer.seed}"]
     for factor in plan.factors:
         seeds = plan.seeds if factor == 1 else plan.seeds[:1]

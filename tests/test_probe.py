@@ -1,0 +1,138 @@
+"""lbt probe: snapshots and branches in the engine, and the command end to end (tiny synthetic workload)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import final_params, lbt_cli, relative_diff, train
+
+BASE = ["model=mlp", "trainer.per_worker_batch=8", "trainer.epochs=4", "optim.lr=0.05"]  # 512 samples: 64 steps/epoch
+
+
+def base_run(tmp_path: Path, snapshots: list[int]) -> Path:
+    folder = tmp_path / "base"
+    train(folder, [*BASE, f"trainer.snapshot_samples=[{','.join(map(str, snapshots))}]"])
+    return folder
+
+
+def branch(tmp_path: Path, base: Path, name: str, at: int, samples: int, extra: list[str]) -> Path:
+    folder = tmp_path / name
+    train(folder, [*BASE, f"trainer.branch_from={base}", f"trainer.branch_at={at}", f"trainer.branch_samples={samples}",
+                   "trainer.evals=2", *extra])
+    return folder
+
+
+def test_snapshots_do_not_change_the_run_and_a_k1_branch_continues_it_exactly(tmp_path):
+    plain = tmp_path / "plain"
+    train(plain, BASE)
+    base = base_run(tmp_path, [256, 768])
+    assert torch.equal(final_params(plain), final_params(base))  # a measurement never changes the run
+    assert sorted(p.name for p in (base / "snapshots").iterdir()) == ["samples_256.pt", "samples_768.pt"]
+    k1 = branch(tmp_path, base, "k1", 256, 512, [])
+    later = torch.load(base / "snapshots" / "samples_768.pt", weights_only=True)["model"]
+    assert torch.equal(final_params(k1), torch.cat([v.flatten().double() for _, v in sorted(later.items())]))
+
+
+def test_branch_on_simulated_workers_equals_real_processes(tmp_path):
+    base = base_run(tmp_path, [256])
+    simulated = branch(tmp_path, base, "sim", 256, 256, ["dist.world_size=4", "dist.procs=1"])
+    real = branch(tmp_path, base, "real", 256, 256, ["dist.world_size=4", "dist.procs=2"])
+    result = json.loads((simulated / "result.json").read_text())
+    assert result["samples_seen"] == 512 and not result["diverged"]
+    assert relative_diff(final_params(simulated), final_params(real)) < 1e-5
+    assert relative_diff(final_params(simulated), final_params(base)) > 1e-3  # it trained: not the base run's end
+
+
+def test_a_branch_past_its_loss_limit_stops_as_diverged(tmp_path):
+    base = base_run(tmp_path, [256])
+    wild = branch(tmp_path, base, "wild", 256, 1024, ["dist.world_size=8", "optim.lr=500", "trainer.log_every=1"])
+    result = json.loads((wild / "result.json").read_text())
+    assert result["diverged"] and result["samples_seen"] < 256 + 1024
+
+
+def test_a_branch_off_the_step_grid_or_without_its_snapshot_is_one_line(tmp_path):
+    base = base_run(tmp_path, [24])
+    done = lbt_cli(["train", *BASE, "data=synthetic", "trainer.device=cpu", f"trainer.branch_from={base}",
+                    "trainer.branch_at=24", "trainer.branch_samples=64", "dist.world_size=4",
+                    f"hydra.run.dir={tmp_path / 'b'}"], cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith("lbt: error: trainer.branch_at=24")
+    missing = lbt_cli(["train", *BASE, "data=synthetic", f"trainer.branch_from={base}", "trainer.branch_at=40",
+                       "trainer.branch_samples=64", f"hydra.run.dir={tmp_path / 'c'}"], cwd=tmp_path)
+    assert missing.returncode == 2 and "no snapshot" in missing.stderr and "Traceback" not in missing.stderr
+
+
+PROBE = ["data=synthetic", "trainer.device=cpu", *BASE, "probe.max_factor=8", "probe.checkpoints=3"]
+
+
+def branch_stamps(folder: Path) -> dict[str, int]:
+    return {p.parent.name: p.stat().st_mtime_ns for p in (folder / "branches").glob("*/result.json")}
+
+
+@pytest.mark.slow
+def test_probe_end_to_end_and_continued_without_training_a_branch_twice(tmp_path):
+    folder = tmp_path / "probe"
+    done = lbt_cli(["probe", *PROBE, f"probe.dir={folder}"], cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first = done.stdout.splitlines()[0]
+    assert first.startswith("probe: base run of 2,048 samples")  # what it costs, before anything ran
+    assert "samples/s measured here" in done.stdout.splitlines()[1]
+    for name in ("probe.json", "probe.md", "critical_batch_over_training.png", "branches.png"):
+        assert (folder / name).stat().st_size > 0, name
+    assert list((folder / "tb").glob("events.out.tfevents.*"))
+    probe = json.loads((folder / "probe.json").read_text())
+    assert len(probe["checkpoints"]) == 3
+    for point in probe["checkpoints"]:
+        seeds = sorted(b["seed"] for b in point["branches"] if b["factor"] == 1)
+        assert seeds == [0, 1, 2]  # three k=1 data orders: the noise floor
+        held = point["local_critical"]["held"]
+        assert held in (8, 16, 32, 64) and (point["local_critical"]["failed"] in (None, 2 * held))
+    answer = probe["answer"]
+    assert answer["largest_batch"] in (8, 16, 32, 64) and answer["gpus"] == answer["largest_batch"] // 8
+    assert 0 < probe["cost"]["share"] and probe["cost"]["samples"] >= 2048
+    assert answer["sentence"] in (folder / "probe.md").read_text().splitlines()[0]
+
+    # Interrupted: two branches lost their results (cut off before writing them) and probe.json is gone.
+    stamps = branch_stamps(folder)
+    lost = sorted(stamps)[:2]
+    for name in lost:
+        (folder / "branches" / name / "result.json").unlink()
+    (folder / "probe.json").unlink()
+    again = lbt_cli(["probe", *PROBE, f"probe.dir={folder}"], cwd=tmp_path, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    after = branch_stamps(folder)
+    assert sorted(after) == sorted(stamps)
+    retrained = sorted(name for name in after if after[name] != stamps.get(name))
+    assert retrained == lost  # the finished ones were read, not trained again or overwritten
+    assert "base run ->" not in again.stdout  # the finished base run too
+    assert json.loads((folder / "probe.json").read_text())["answer"] == answer
+
+
+@pytest.mark.parametrize("args, says", [
+    (["probe.max_factor=3"], "probe.max_factor=3: give a power of two"),
+    (["probe.checkpoints=0"], "probe.checkpoints"),
+    (["probe.delta=0.9"], "runs past the budget"),
+    (["probe.max_factor=128"], "exceeds the training set"),
+    (["probe.maxfactor=4"], "did you mean probe.max_factor"),
+    (["probe.metric=bleu"], "probe.metric=bleu"),
+    (["probe.seeds=1"], "probe.seeds"),
+])
+def test_bad_probe_settings_are_one_line(tmp_path, args, says):
+    done = lbt_cli(["probe", *PROBE, *args, f"probe.dir={tmp_path / 'p'}"], cwd=tmp_path)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("lbt: error:"), done.stderr
+    assert says in lines[0]
+    assert not (tmp_path / "p").exists()  # refused before anything was written
+
+
+def test_a_probe_folder_of_another_probe_or_a_diverged_base_is_refused(tmp_path):
+    folder = tmp_path / "p"
+    folder.mkdir()
+    (folder / "probe_command.json").write_text(json.dumps({"overrides": [], "settings": {"checkpoints": 9}}))
+    other = lbt_cli(["probe", *PROBE, f"probe.dir={folder}"], cwd=tmp_path)
+    assert other.returncode == 2 and "holds another probe" in other.stderr and len(other.stderr.splitlines()) == 1
+    wild = lbt_cli(["probe", *PROBE, "optim.lr=1e9", f"probe.dir={tmp_path / 'q'}"], cwd=tmp_path, timeout=300)
+    assert wild.returncode == 2 and wild.stderr.strip().splitlines()[-1].startswith("lbt: error: the base run diverged")
