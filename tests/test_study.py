@@ -98,7 +98,7 @@ def test_report_files_and_numbers_match_the_jobs(study):
     assert crit["series"] == "baseline" and crit["gns"] is not None and math.isfinite(crit["gns"])
     assert crit["fit"] is None and "at least 3 distinct batches" in crit["fit_error"]
     report = (study / "report.md").read_text()
-    assert "## baseline" in report and "## goyal2017" in report and "## Critical batch" in report
+    assert "## baseline" in report and "## goyal2017" in report and "**Critical batch: " in report.splitlines()[2]
 
 
 @pytest.mark.slow

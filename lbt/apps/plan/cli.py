@@ -62,7 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     critical = parser.add_mutually_exclusive_group()
     critical.add_argument("--critical-batch", type=float, metavar="B_CRIT",
                           help="mark W with b x W > B_CRIT (b x DP with --tensor-parallel)")
-    critical.add_argument("--from-study", metavar="DIR", help="B_crit from a study's summary.json (lbt report)")
+    critical.add_argument("--from-study", metavar="DIR",
+                          help="the critical batch a study's report led with (its summary.json)")
     parser.add_argument("--out", help="PNG plot of epoch time and efficiency (default: plan.png beside the "
                                       "--from-result or --from-study input, else runs/plan/plan.png)")
     return parser

@@ -153,7 +153,8 @@ def critical_batch_from_study(study_dir: str | Path) -> float:
     if not path.exists():
         raise ValueError(f"{path} not found: run `lbt report {study_dir}` first")
     crit = json.loads(path.read_text()).get("critical_batch") or {}
-    value = crit.get("fit") or crit.get("gns")  # the steps-to-target fit where it could be made
+    # The figure the report leads with (the sweep's own), else its diagnostics: the fit, then B_simple.
+    value = crit.get("value") or crit.get("fit") or crit.get("gns")
     if value is None or not math.isfinite(float(value)):
         raise ValueError(f"{path} holds no critical_batch estimate (run the study with measure=[gns])")
     return float(value)

@@ -113,13 +113,16 @@ def markdown(probe: dict[str, Any]) -> str:
                      f"{v['held']:,} | {v['failed'] or '-'} | {'yes' if v['resolved'] else 'no'} | "
                      f"{p['noise_scale']:,.0f} |")
     lines += ["", "![branches](branches.png)", "", "## From the checkpoints to the answer", "",
-              "A from-scratch run at batch B needs, in each phase of training (from one checkpoint to the next), "
-              "E(B)/E(B0) = (1 + B/B_noise)/(1 + B0/B_noise) times the base run's samples (McCandlish et al. "
-              "2018), with B_noise fitted to that checkpoint's branches (how many samples the k=1 branch needed to "
-              f"reach each branch's loss). The base run reached its final {metric.label} less the tolerance "
-              f"after {base['reach_samples']:,} samples; B passes when it needs at most the budget "
-              f"({base['budget_samples']:,}) to get there.", "",
-              "| global batch | samples needed | within budget |", "|---:|---:|---|"]
+              "The answer is the local critical batch at the last checkpoint: a study judges the value a run ends "
+              "at, and a larger batch's lag early in training is mostly made up later, so the latest phase decides "
+              "(bench/critical.py checks this against full sweeps). The pessimistic bound assumes no lag is ever "
+              "made up: in each phase (one checkpoint to the next) batch B needs E(B)/E(B0) = (1 + B/B_noise)/"
+              "(1 + B0/B_noise) times the base run's samples (McCandlish et al. 2018; B_noise fitted to the "
+              "checkpoint's branches: how many samples the k=1 branch needed to reach each branch's loss), summed "
+              f"up to where the base run reached its final {metric.label} less the tolerance "
+              f"({base['reach_samples']:,.0f} samples) and compared with the budget ({base['budget_samples']:,}): "
+              f"it gives {answer['additive_lag_bound']:,}.", "",
+              "| global batch | samples needed (no lag made up) | within budget |", "|---:|---:|---|"]
     for batch, need in answer["need_samples"].items():
         lines.append(f"| {int(batch):,} | {need:,.0f} | {'yes' if need <= base['budget_samples'] else 'no'} |")
     schedule = " -> ".join(f"{s['global_batch']:,} from {s['from_samples']:,}" for s in probe["batch_schedule"])

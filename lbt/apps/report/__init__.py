@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from lbt.apps.report.answer import answer_lines, gpu_answer, time_to_accuracy
-from lbt.apps.report.critical import critical_batch
+from lbt.apps.report.critical import critical_batch, lead_figure
 from lbt.apps.report.hybrid import hybrid_caps, hybrid_points
 from lbt.apps.report.jobs import SUMMARY_DIR, Job, load_jobs
 from lbt.apps.report.markdown import markdown
@@ -52,13 +52,14 @@ def write_report(study_dir: str | Path, target: float | None = None, tolerance: 
     rows = aggregate(jobs, target, judge)
     crit = critical_batch(jobs, rows, target, judge)
     answer = gpu_answer(rows, tolerance, judge)
+    crit.update(lead_figure(answer))  # the figure the report leads with; fit and gns stay as diagnostics
     if network is not None:
         answer["time_to_accuracy"] = time_to_accuracy(rows, answer, jobs, network, step_ms)
     hybrid = hybrid_points(rows, jobs, hybrid_caps(answer, hybrid_cap), judge)
     (study_dir / "report.md").write_text(markdown(rows, target, crit, jobs, answer, judge, hybrid,
                                                   hybrid_cap is not None))
     curves, gpus = f"{judge.label}_vs_batch.png", f"{judge.label}_vs_gpus.png"
-    plot_metric_vs_batch(rows, crit, study_dir / curves, judge)
+    vertical_lines = plot_metric_vs_batch(rows, crit, study_dir / curves, judge)
     files = ["report.md", curves, "steps_to_target.png", "gns_over_training.png", "summary.json", SUMMARY_DIR]
     if any("impossible" not in p for p in hybrid):
         plot_gpus(rows, hybrid, study_dir / gpus, judge)
@@ -73,6 +74,7 @@ def write_report(study_dir: str | Path, target: float | None = None, tolerance: 
         "gpu_answer": answer,
         "hybrid": hybrid,
         "critical_batch": crit,
+        "plot_lines": {curves: vertical_lines},  # the x of every vertical line drawn on it
         "rows": [asdict(r) for r in rows],
         "jobs": [job_summary(job) for job in jobs],
     }

@@ -1,4 +1,9 @@
-"""The critical batch of a study, estimated two ways on one series (lbt/metrics/critical.py does the math).
+"""The critical batch of a study: one figure, and two diagnostics (lbt/metrics/critical.py does the math).
+
+The figure (`lead_figure`) is the sweep's own measurement: the largest global batch whose mean final
+value stays within the tolerance of the base batch's, with the next batch tried. It answers the
+question the study is run for, and by construction no point of the accuracy plot contradicts it.
+The diagnostics estimate a critical batch in other terms and often disagree with it:
 
 From steps to target: S = S_min (1 + B_noise / B) fitted to each trained job's interpolated steps to
 the target across global batches (McCandlish et al. 2018, eq. 2.11), with a 90% bootstrap interval
@@ -58,6 +63,33 @@ def critical_batch(jobs: list[Job], rows: list[Row], target: float | None, metri
     except ValueError as error:
         batches = ", ".join(f"{b:,}" for b in sorted(points)) or "none"
         result["fit_error"] = f"{error} (batches reaching the target: {batches})"
+    optimizer = optimizer_of(jobs, series)
+    if result["gns"] is not None and optimizer not in ("SGD", "unknown"):
+        result["gns"], result["gns_note"] = None, (
+            f"not defined for {optimizer}: B_simple is the noise scale of plain SGD's step, and {optimizer}'s step "
+            "is not the raw gradient")
     if result["fit"] and result["gns"]:
         result["ratio"] = result["fit"] / result["gns"]
     return result
+
+
+def optimizer_of(jobs: list[Job], series: str | None) -> str:
+    """The series' optimizer class name (`SGD`, `LARS`, `AdamW`), from its jobs' configs."""
+    for job in jobs:
+        if job.series == series:
+            optim = (job.result.config or {}).get("optim") or {}
+            name = str(optim.get("optimizer_class") or optim.get("_target_") or "")
+            return name.rsplit(".", 1)[-1] or "unknown"
+    return "unknown"
+
+
+def lead_figure(answer: dict[str, Any]) -> dict[str, Any]:
+    """The one critical-batch figure the report leads with: the sweep's largest global batch within the
+    tolerance of the base batch (the best recipe's), the batch tried next, and how it was measured."""
+    best, reference, m = answer.get("best"), answer.get("reference") or {}, answer["metric"]
+    method = (f"sweep: the largest global batch whose mean final {answer['split']} {m} stays within "
+              f"{answer['tolerance']:g} of the base batch's ({reference.get('global_batch')})")
+    if not best:
+        return {"value": None, "method": method, "recipe": None, "failed": None}
+    return {"value": best["global_batch"], "method": method, "recipe": best["recipe"], "failed": best["next_batch"],
+            "failed_value": best[f"next_{m}"], "largest_run": best["largest_batch_run"]}

@@ -30,8 +30,8 @@ def markdown(rows: list[Row], target: float | None, crit: dict[str, Any], jobs: 
              hybrid_cap_given: bool = False) -> str:
     """The whole report.md."""
     split = study_split(rows)
-    lines = ["# lbt study report", ""] + preamble_lines(split, target, metric)
-    lines += ["", "## Critical batch", ""] + critical_lines(crit)
+    lines = ["# lbt study report", "", lead_line(crit, metric), ""] + preamble_lines(split, target, metric)
+    lines += ["", "## Diagnostics: other estimates of the critical batch", ""] + critical_lines(crit)
     # The loss columns for a loss-judged study or a language model, whose loss reads as bits per char.
     text = any(r.bits_per_char is not None for r in rows)
     losses = metric.name == "loss" or text
@@ -66,19 +66,40 @@ def preamble_lines(split: str, target: float | None, metric: Metric) -> list[str
             f"{metric.unit}s."]
 
 
+def lead_line(crit: dict[str, Any], metric: Metric) -> str:
+    """The report's one critical-batch figure, how it was measured and how sure it is."""
+    if not crit.get("value"):
+        return f"**Critical batch: not measured** (no recipe stayed within tolerance; {crit['method']})."
+    value, failed = crit["value"], crit.get("failed")
+    if failed:
+        bracket = (f"the next batch tried, {failed:,}, reached {metric.show(crit['failed_value'])}{metric.suffix}: "
+                   f"the critical batch lies between {value:,} and {failed:,}")
+    else:
+        bracket = f"it is the largest batch run ({crit['largest_run']:,}): the critical batch is at least {value:,}"
+    return (f"**Critical batch: {value:,}** (global batch, {crit['recipe']}), measured by the {crit['method']}; "
+            f"{bracket}.")
+
+
 def critical_lines(crit: dict[str, Any]) -> list[str]:
     """The critical batch from steps to target and from the gradient noise scale, or why each is missing."""
-    lines = []
+    lines = ["These measure other things than the figure above and can disagree with it by orders of magnitude; "
+             "they are not the answer.", ""]
     if crit["fit"]:
         low, high = crit["fit_interval"]
         lines.append(f"- From steps to target ({crit['series']}, {crit['fit_points']} runs, S = S_min (1 + B_noise/B), "
-                     f"McCandlish et al. 2018): **{crit['fit']:,.0f}** (90% bootstrap interval {low:,.0f} - "
-                     f"{high:,.0f}; S_min {crit['s_min']:,.1f} steps, E_min {crit['e_min']:,.0f} samples)")
+                     f"McCandlish et al. 2018): {crit['fit']:,.0f} (90% bootstrap interval {low:,.0f} - "
+                     f"{high:,.0f}; S_min {crit['s_min']:,.1f} steps, E_min {crit['e_min']:,.0f} samples). It "
+                     "extrapolates the trade-off between steps and samples to reach a target, not the value a fixed "
+                     "budget ends at.")
     else:
         lines.append(f"- From steps to target ({crit['series']}): not measured: {crit['fit_error']}")
     if crit["gns"]:
         lines.append(f"- From the gradient noise scale B_simple ({crit['series']}, median over runs of its median over "
-                     f"the last {100 * GNS_WINDOW:g}% of training): **{crit['gns']:,.0f}**")
+                     f"the last {100 * GNS_WINDOW:g}% of training): {crit['gns']:,.0f}. McCandlish et al.'s estimate "
+                     "for plain SGD with an isotropic Hessian; measured far below the batch where accuracy breaks on "
+                     "OLMo (Merrill et al. 2025).")
+    elif crit.get("gns_note"):
+        lines.append(f"- From the gradient noise scale B_simple ({crit['series']}): {crit['gns_note']}")
     else:
         lines.append("- From the gradient noise scale: not measured (run the study with measure=[gns])")
     if crit["ratio"]:

@@ -1,10 +1,11 @@
 """The report's figures, drawn with lbt/apps/plotting.py's axes and saver.
 
 <metric>_vs_batch.png: the test value (scored once per run) against the global batch, a line per recipe,
-with the critical-batch estimates as vertical lines. <metric>_vs_gpus.png: the final value against GPU
-count, data parallelism alone and the data x tensor parallel hybrid past the cap. steps_to_target.png:
-steps to the target per batch with the fitted S = S_min (1 + B_noise / B). gns_over_training.png:
-B_simple over training for each job of the critical-batch series.
+with one vertical line at the report's critical batch (the sweep's own, which its points agree with).
+<metric>_vs_gpus.png: the final value against GPU count, data parallelism alone and the data x tensor
+parallel hybrid past the cap. steps_to_target.png: steps to the target per batch with the fitted
+S = S_min (1 + B_noise / B). gns_over_training.png: B_simple over training for each job of the
+critical-batch series.
 """
 
 from __future__ import annotations
@@ -24,8 +25,11 @@ def axis_label(prefix: str, metric: Metric) -> str:
     return f"{prefix} {metric.label}{f' ({metric.suffix})' if metric.suffix else ''}"
 
 
-def plot_metric_vs_batch(rows: list[Row], crit: dict[str, Any], path: Path, metric: Metric = ACC) -> None:
-    """Test accuracy (or loss: `metric`), scored once per run, vs global batch, one line per recipe."""
+def plot_metric_vs_batch(rows: list[Row], crit: dict[str, Any], path: Path, metric: Metric = ACC) -> list[float]:
+    """Test accuracy (or loss: `metric`), scored once per run, vs global batch, one line per recipe; returns
+    the x of the vertical lines drawn (summary.json keeps them, so a test can hold them to the points).
+    The diagnostics (fit, B_simple) are not drawn here: a line where every recipe still holds its accuracy
+    would contradict the points."""
     fig, ax = figure()
     for recipe in sorted({r.recipe for r in rows}):
         points = sorted((r for r in rows if r.recipe == recipe), key=lambda r: r.global_batch)
@@ -38,15 +42,18 @@ def plot_metric_vs_batch(rows: list[Row], crit: dict[str, Any], path: Path, metr
             floor = min([value for _, value, _ in scored], key=metric.score, default=10.0)
             ax.scatter([r.global_batch for r in bad], [floor] * len(bad), marker="x", s=80,
                        color=line[0].get_color(), label=f"{recipe}: diverged/failed")
-    for value, style, name in ((crit["fit"], "--", "steps-to-target fit"), (crit["gns"], ":", "GNS")):
-        if value:
-            ax.axvline(value, color="gray", linestyle=style, label=f"critical batch ≈ {value:,.0f} ({name})")
+    if crit.get("value"):
+        ax.axvline(crit["value"], color="gray", linestyle="--",
+                   label=f"critical batch {crit['value']:,} (largest within tolerance, {crit['recipe']})")
+    vertical = [float(line.get_xdata()[0]) for line in ax.get_lines()
+                if len(set(line.get_xdata())) == 1 and len(line.get_xdata()) == 2]
     batch_axis(ax)
     ax.set_ylabel(axis_label("test", metric) + ", scored once per run")
     ax.set_title(f"{metric.label.capitalize()} vs global batch (same epoch budget)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     save_figure(fig, path)
+    return vertical
 
 
 def plot_gpus(rows: list[Row], points: list[dict[str, Any]], path: Path, metric: Metric = ACC) -> None:
