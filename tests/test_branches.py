@@ -99,3 +99,8 @@ def test_predicted_need_and_largest_batch():
 def test_batch_schedule_doubles_when_the_critical_batch_reaches_twice_the_batch():
     schedule = rules.batch_schedule([100, 200, 400, 800], [64, 200, 130, 1024], B0)
     assert schedule == [(0, 64), (200, 128), (800, 1024)]
+
+
+def test_reference_is_the_median_of_the_k1_branches():
+    assert rules.reference_value([0.818, 0.833, 0.835]) == pytest.approx(0.833)
+    assert math.isnan(rules.reference_value([math.nan]))

@@ -6,6 +6,7 @@ local critical batch is the largest batch whose branch does as well as the small
 
 - "as well" is the study's own criterion (within 1 accuracy point, or 0.05 nats: `tolerance` in the
   metric's units), so the probe and a sweep answer the same question;
+- each branch is held to the median of the k=1 branches over data orders, not to one of them;
 - a difference no larger than the noise floor (the k=1 branches' spread over data orders) decides
   nothing: the checkpoint's critical batch is then "not resolved" (a lower bound), never a number;
 - one checkpoint does not answer for a whole run (the critical batch grows over training), so
@@ -42,6 +43,13 @@ def noise_floor(values: Sequence[float], metric: Metric) -> float:
     if finite.size < 2:
         return math.inf
     return float(2 * np.median(np.abs(finite - np.median(finite))))
+
+
+def reference_value(values: Sequence[float]) -> float:
+    """What a larger batch's branch is held to: the median of the k=1 branches' values over data orders
+    (one seed's branch is as noisy as any other's); NaN when none finished."""
+    finite = [v for v in values if math.isfinite(v)]
+    return float(np.median(finite)) if finite else math.nan
 
 
 @dataclass(frozen=True)

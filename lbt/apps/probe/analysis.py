@@ -45,22 +45,24 @@ def value_of(result: RunResult, settings: ProbeSettings) -> float:
 def branch_verdicts(folder: Path, plan: ProbePlan, settings: ProbeSettings, at: int,
                     factors: list[int]) -> dict[int, bool]:
     """Factor -> whether its branch (base seed) stayed within tolerance of k=1's, for those finished."""
-    seed, verdicts = plan.seeds[0], {}
-    reference = branch_result(folder, plan, at, 1, seed)
-    if reference is None:
+    ones = [branch_result(folder, plan, at, 1, seed) for seed in plan.seeds]
+    if ones[0] is None:
         return {}
-    base_value = value_of(reference, settings)
+    reference = rules.reference_value([value_of(r, settings) for r in ones if r is not None])
+    verdicts = {}
     for factor in factors:
-        result = reference if factor == 1 else branch_result(folder, plan, at, factor, seed)
+        result = ones[0] if factor == 1 else branch_result(folder, plan, at, factor, plan.seeds[0])
         if result is not None:
-            gap = rules.shortfall(value_of(result, settings), base_value, settings.criterion)
-            verdicts[factor] = math.isfinite(base_value) and gap <= settings.within
+            gap = rules.shortfall(value_of(result, settings), reference, settings.criterion)
+            verdicts[factor] = math.isfinite(reference) and gap <= settings.within
     return verdicts
 
 
 def analyse(folder: Path, plan: ProbePlan, settings: ProbeSettings, base_dir: Path) -> dict[str, Any]:
     base = read_result(base_dir)
     checkpoints = [checkpoint_numbers(folder, plan, settings, at, base) for at in plan.checkpoints]
+    for previous, point in zip([0, *plan.checkpoints], checkpoints):
+        point["b_simple"] = b_simple_between(base, previous, point["samples"])
     metric = settings.criterion
     final = float(getattr(base, f"final_{metric.name}"))
     target = metric.worse_by(final, settings.within)
@@ -102,7 +104,8 @@ def checkpoint_numbers(folder: Path, plan: ProbePlan, settings: ProbeSettings, a
     ones = [r["value"] for r in records if r["factor"] == 1]
     floor = rules.noise_floor(ones, metric)
     reference = next((r for r in records if r["factor"] == 1 and r["seed"] == plan.seeds[0]), None)
-    gaps = {r["factor"]: rules.shortfall(r["value"], reference["value"], metric)
+    level = rules.reference_value(ones)
+    gaps = {r["factor"]: rules.shortfall(r["value"], level, metric)
             for r in records if reference is not None and r["seed"] == plan.seeds[0]}
     verdict = rules.local_critical(gaps, plan.base_batch, settings.within, floor)
     curve = [(0.0, start.loss if start else math.inf)] + (reference["curve"] if reference else [])
@@ -110,11 +113,27 @@ def checkpoint_numbers(folder: Path, plan: ProbePlan, settings: ProbeSettings, a
               for r in records if r["seed"] == plan.seeds[0] and reference is not None}
     return {"samples": at, "fraction": at / plan.budget,
             "start": {"loss": start.loss, "acc": start.acc} if start else None,
-            "noise_floor": floor, "branches": records, "shortfalls": {str(k): v for k, v in gaps.items()},
+            "noise_floor": floor, "reference": level, "branches": records,
+            "shortfalls": {str(k): v for k, v in gaps.items()},
             "local_critical": {"held": verdict.held, "failed": verdict.failed, "resolved": verdict.resolved,
                                "batch": verdict.batch},
             "samples_ratios": {str(k): v for k, v in ratios.items()},
             "noise_scale": rules.fit_noise_scale(ratios, plan.base_batch) if ratios else float(plan.base_batch)}
+
+
+def b_simple_between(base: RunResult, start: int, end: int) -> float | str:
+    """The base run's gradient noise scale B_simple over (start, end] samples (median), beside the branched
+    critical batch, so a user with only a long run's B_simple curve learns how far to trust it here; or
+    why there is none."""
+    optim = (base.config or {}).get("optim") or {}
+    optimizer = str(optim.get("optimizer_class") or optim.get("_target_") or "").rsplit(".", 1)[-1]
+    if optimizer and optimizer != "SGD":
+        return f"not defined for {optimizer} (its step is not the raw gradient)"
+    curve = (base.technique_curves or {}).get("gns/b_simple") or []
+    values = [b for samples, b in curve if start < samples <= end and math.isfinite(b)]
+    if not values:
+        return "not measured (add measure=[gns] with dist.world_size >= 2)" if not curve else "no point here"
+    return float(sorted(values)[len(values) // 2])
 
 
 def branch_record(result: RunResult, plan: ProbePlan, settings: ProbeSettings, at: int, factor: int,

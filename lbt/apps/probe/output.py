@@ -65,17 +65,20 @@ def plot_branches(path: Path, probe: dict[str, Any]) -> None:
         branches = [b for b in point["branches"] if b["value"] is not None and math.isfinite(b["value"])]
         ones = [b for b in branches if b["factor"] == 1]
         ax.plot([b["global_batch"] for b in branches], [b["value"] * metric.scale for b in branches], "o", ms=4)
-        if ones:
-            reference = ones[0]["value"] * metric.scale
-            edge = metric.worse_by(ones[0]["value"], probe["settings"]["tolerance"]) * metric.scale
-            ax.axhspan(min(reference, edge), max(reference, edge), color="C2", alpha=0.15)
+        if ones and point.get("reference") is not None:
+            edge = metric.worse_by(point["reference"], probe["settings"]["tolerance"]) * metric.scale
+            values = [b["value"] * metric.scale for b in branches]
+            beyond = max(values) if metric.higher_is_better else min(values)
+            ax.axhspan(min(edge, beyond), max(edge, beyond), color="C2", alpha=0.15)
+            ax.axhline(point["reference"] * metric.scale, color="C2", lw=1)
         failed = [b["global_batch"] for b in point["branches"] if b not in branches]
         for batch in failed:
             ax.axvline(batch, color="C3", ls=":", lw=1)
         batch_axis(ax)
         ax.set_title(f"at {point['samples']:,} samples ({point['fraction']:.0%})", fontsize=8)
     axes[0].set_ylabel(f"val {metric.label} after the branch")
-    save_figure(fig, path, "branches per checkpoint (green: within tolerance of k=1; dotted: diverged)")
+    save_figure(fig, path, "branches per checkpoint (green line: k=1 median over seeds; band: within tolerance; "
+                           "dotted: diverged)")
 
 
 def log_tensorboard(folder: Path, probe: dict[str, Any]) -> None:
@@ -88,6 +91,10 @@ def log_tensorboard(folder: Path, probe: dict[str, Any]) -> None:
                 values[f"probe/branch_loss/k{branch['factor']:04d}"] = branch["loss"]
         logger.scalars({k: v for k, v in values.items() if v is not None and math.isfinite(v)}, at, at)
     logger.close()
+
+
+def shown(value: Any) -> str:
+    return f"{value:,.0f}" if isinstance(value, (int, float)) else str(value or "-")
 
 
 def markdown(probe: dict[str, Any]) -> str:
@@ -104,14 +111,15 @@ def markdown(probe: dict[str, Any]) -> str:
              f"{cost.get('wall_seconds', 0):.0f} s here.", "",
              "## Local critical batch over training", "",
              "![critical batch over training](critical_batch_over_training.png)", "",
-             "| samples seen | of budget | start val acc | noise floor | held | failed | resolved | B_noise fit |",
-             "|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "| samples seen | of budget | start val acc | noise floor | held | failed | resolved | B_noise fit | "
+             "B_simple (base run) |",
+             "|---:|---:|---:|---:|---:|---:|---|---:|---|"]
     for p in probe["checkpoints"]:
         v, start = p["local_critical"], p["start"] or {}
         floor = "n/a" if p["noise_floor"] is None or not math.isfinite(p["noise_floor"]) else f"{p['noise_floor']:.3g}"
         lines.append(f"| {p['samples']:,} | {p['fraction']:.1%} | {start.get('acc', math.nan):.4f} | {floor} | "
                      f"{v['held']:,} | {v['failed'] or '-'} | {'yes' if v['resolved'] else 'no'} | "
-                     f"{p['noise_scale']:,.0f} |")
+                     f"{p['noise_scale']:,.0f} | {shown(p.get('b_simple'))} |")
     lines += ["", "![branches](branches.png)", "", "## From the checkpoints to the answer", "",
               "The answer is the local critical batch at the last checkpoint: a study judges the value a run ends "
               "at, and a larger batch's lag early in training is mostly made up later, so the latest phase decides "
