@@ -14,8 +14,9 @@ that starts from a snapshot instead of from scratch:
 - the data after the snapshot: the rest of the same epoch's order at the branch's batch (the probe puts
   snapshots where every probed batch has a step boundary), then the next epochs;
 - evaluations at `trainer.evals` points evenly spaced over the branch, and its end;
-- it stops, counted as diverged, when its train loss passes `trainer.branch_diverge` x the val loss
-  the base run had at the snapshot.
+- it stops, counted as diverged, when its train loss (logged every step) passes `trainer.branch_diverge` x
+  the val loss the base run had at the snapshot, and chance level (log of the classes): late in training
+  one batch's loss can be several times the val loss without anything having gone wrong.
 """
 
 from __future__ import annotations
@@ -77,4 +78,5 @@ def start_branch(trainer: Trainer, snapshot: dict, samples: int, diverge: float)
     evals = trainer.settings.evals
     trainer.eval_steps = frozenset(start + max(1, round(steps * i / evals)) for i in range(1, evals + 1))
     trainer.state = LoopState(step=start, samples_seen=at, epoch=epoch, step_in_epoch=offset // layout.global_batch)
-    trainer.diverge_above = diverge * float(snapshot["point"]["loss"])
+    classes = trainer.data.num_classes
+    trainer.diverge_above = max(diverge * float(snapshot["point"]["loss"]), math.log(classes) if classes else 0.0)

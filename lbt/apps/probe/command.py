@@ -70,12 +70,18 @@ def probe_command(args: list[str]) -> None:
         fail(str(error))
     folder = Path(settings.dir)
     claim_folder(folder, settings, overrides)
-    os.environ[CONSOLE] = "silent"  # the timed steps say nothing (each job's train.log has all it says)
-    say_cost(spec, plan, folder)
-    os.environ[CONSOLE] = "brief"  # the base run's epochs, without its config
-    base = run_base(folder, plan, overrides)
-    os.environ[CONSOLE] = "quiet"  # a branch's closing line only
-    run_branches(folder, plan, settings, overrides, base)
+    given = [a for a in args if a.startswith("probe.") and not a.startswith("probe.dir=")]
+    again = f"lbt probe {' '.join([*overrides, *given])} probe.dir={folder}"
+    try:
+        os.environ[CONSOLE] = "silent"  # the timed steps say nothing (each job's train.log has all it says)
+        say_cost(spec, plan, folder)
+        os.environ[CONSOLE] = "brief"  # the base run's epochs, without its config
+        base = run_base(folder, plan, overrides, again)
+        os.environ[CONSOLE] = "quiet"  # a branch's closing line only
+        run_branches(folder, plan, settings, overrides, base, again)
+    except KeyboardInterrupt:
+        print(f"\nlbt: probe stopped; finished runs are kept. Continue with: {again}", file=sys.stderr)
+        sys.exit(130)
     probe = analyse(folder, plan, settings, base)
     probe["cost"]["wall_seconds"] = round(time.perf_counter() - started, 1)
     write_outputs(folder, probe)
@@ -136,7 +142,7 @@ def timed_rate(spec: RunSpec) -> float:
     return max(result.samples_per_sec, 1.0)
 
 
-def run_base(folder: Path, plan: ProbePlan, overrides: list[str]) -> Path:
+def run_base(folder: Path, plan: ProbePlan, overrides: list[str], again: str) -> Path:
     """The base run with its snapshots; a finished one is read, an interrupted one continued."""
     base = folder / "base"
     if not finished(base):
@@ -145,7 +151,7 @@ def run_base(folder: Path, plan: ProbePlan, overrides: list[str]) -> Path:
         train_command([*overrides, f"trainer.snapshot_samples=[{snapshots}]", "trainer.resume=auto",
                        f"hydra.run.dir={base}"])
     if not finished(base):
-        fail(f"the base run in {base} did not finish; run the same command again to continue it")
+        fail(f"the base run in {base} did not finish; continue it with: {again}")
     result = read_result(base)
     if result.diverged or result.failed:
         fail(f"the base run diverged ({base}): probe a recipe that trains at the base batch")
@@ -160,7 +166,8 @@ def finished(run_dir: Path) -> bool:
     return not result.stopped
 
 
-def run_branches(folder: Path, plan: ProbePlan, settings: ProbeSettings, overrides: list[str], base: Path) -> None:
+def run_branches(folder: Path, plan: ProbePlan, settings: ProbeSettings, overrides: list[str], base: Path,
+                 again: str) -> None:
     """k=1 at every checkpoint and seed, then each larger factor at the checkpoints still open."""
     common = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in BRANCH_KEYS]
     common += [f"trainer.branch_from={base.resolve()}", f"trainer.branch_samples={plan.branch_samples}",
@@ -183,7 +190,7 @@ def run_branches(folder: Path, plan: ProbePlan, settings: ProbeSettings, overrid
             multirun([*common, f"dist.world_size={factor * plan.world_size}", f"trainer.seed={seed}",
                       f"trainer.branch_at={','.join(str(c) for c in todo)}"])
             if not all(branch_done(folder, plan, c, factor, seed) for c in todo):
-                fail("branches did not finish (stopped?); run the same command again to continue the probe")
+                fail(f"branches did not finish (stopped?); continue the probe with: {again}")
 
 
 def still_open(folder: Path, plan: ProbePlan, settings: ProbeSettings, at: int, factor: int) -> bool:
