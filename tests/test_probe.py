@@ -37,6 +37,7 @@ def test_snapshots_do_not_change_the_run_and_a_k1_branch_continues_it_exactly(tm
     assert torch.equal(final_params(k1), torch.cat([v.flatten().double() for _, v in sorted(later.items())]))
 
 
+@pytest.mark.slow
 def test_branch_on_simulated_workers_equals_real_processes(tmp_path):
     base = base_run(tmp_path, [256])
     simulated = branch(tmp_path, base, "sim", 256, 256, ["dist.world_size=4", "dist.procs=1"])
@@ -54,6 +55,7 @@ def test_a_branch_past_its_loss_limit_stops_as_diverged(tmp_path):
     assert result["diverged"] and result["samples_seen"] < 256 + 1024
 
 
+@pytest.mark.slow
 def test_a_branch_off_the_step_grid_or_without_its_snapshot_is_one_line(tmp_path):
     base = base_run(tmp_path, [24])
     done = lbt_cli(["train", *BASE, "data=synthetic", "trainer.device=cpu", f"trainer.branch_from={base}",
@@ -111,6 +113,7 @@ def test_probe_end_to_end_and_continued_without_training_a_branch_twice(tmp_path
     assert json.loads((folder / "probe.json").read_text())["answer"] == answer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, says", [
     (["probe.max_factor=3"], "probe.max_factor=3: give a power of two"),
     (["probe.checkpoints=0"], "probe.checkpoints"),
@@ -128,6 +131,7 @@ def test_bad_probe_settings_are_one_line(tmp_path, args, says):
     assert not (tmp_path / "p").exists()  # refused before anything was written
 
 
+@pytest.mark.slow
 def test_a_probe_folder_of_another_probe_or_a_diverged_base_is_refused(tmp_path):
     folder = tmp_path / "p"
     folder.mkdir()
