@@ -99,6 +99,9 @@ def test_predicted_need_and_largest_batch():
 def test_batch_schedule_doubles_when_the_critical_batch_reaches_twice_the_batch():
     schedule = rules.batch_schedule([100, 200, 400, 800], [64, 200, 130, 1024], B0)
     assert schedule == [(0, 64), (200, 128), (800, 1024)]
+    # An early reading that later ones do not confirm does not raise the batch (cnn1d: 64, 2,048, 128, ...).
+    assert rules.batch_schedule([1, 2, 3, 4, 5], [64, 2048, 128, 256, 2048], B0) == [(0, 64), (2, 128), (4, 256),
+                                                                                    (5, 2048)]
 
 
 def test_reference_is_the_median_of_the_k1_branches():

@@ -150,9 +150,12 @@ def largest_batch(checkpoints: Sequence[float], noise_scales: Sequence[float], r
 
 def batch_schedule(checkpoints: Sequence[int], held: Sequence[int], base_batch: int) -> list[tuple[int, int]]:
     """(from samples, global batch): start at base_batch and double the batch whenever the local critical
-    batch measured (its held lower bound) reaches twice the current one (Merrill et al. 2025, sec. 5)."""
+    batch reaches twice the current one (Merrill et al. 2025, sec. 5). The critical batch grows over
+    training, so one checkpoint's measurement is trusted only as far as every later one confirms it:
+    the schedule follows min(held[i:]) at checkpoint i, which a single noisy early reading cannot push up."""
     schedule, batch = [(0, base_batch)], base_batch
-    for at, limit in zip(checkpoints, held):
+    for i, at in enumerate(checkpoints):
+        limit = min(held[i:])
         grown = batch
         while grown * 2 <= limit:
             grown *= 2
