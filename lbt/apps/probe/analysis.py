@@ -53,8 +53,11 @@ def branch_verdicts(folder: Path, plan: ProbePlan, settings: ProbeSettings, at: 
     for factor in factors:
         result = ones[0] if factor == 1 else branch_result(folder, plan, at, factor, plan.seeds[0])
         if result is not None:
-            gap = rules.shortfall(value_of(result, settings), reference, settings.criterion)
-            verdicts[factor] = math.isfinite(reference) and gap <= settings.within
+            value = value_of(result, settings)
+            gap = rules.shortfall(value, reference, settings.criterion)
+            # k=1 is the reference: it only has to have trained (a diverged one closes the checkpoint).
+            held = math.isfinite(reference) and gap <= settings.within
+            verdicts[factor] = math.isfinite(value) if factor == 1 else held
     return verdicts
 
 

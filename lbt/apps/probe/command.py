@@ -148,7 +148,9 @@ def run_base(folder: Path, plan: ProbePlan, overrides: list[str], again: str) ->
     if not finished(base):
         print(f"probe: base run -> {base}", flush=True)
         snapshots = ",".join(str(c) for c in plan.checkpoints)
-        train_command([*overrides, f"trainer.snapshot_samples=[{snapshots}]", "trainer.resume=auto",
+        own = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in ("hydra.run.dir", "hydra.sweep.dir",
+                                                                              "trainer.resume")]
+        train_command([*own, f"trainer.snapshot_samples=[{snapshots}]", "trainer.resume=auto",
                        f"hydra.run.dir={base}"])
     if not finished(base):
         fail(f"the base run in {base} did not finish; continue it with: {again}")
