@@ -90,7 +90,8 @@ def analyse(folder: Path, plan: ProbePlan, settings: ProbeSettings, base_dir: Pa
         "batch_schedule": [{"from_samples": at, "global_batch": b}
                            for at, b in rules.batch_schedule(plan.checkpoints, held, plan.base_batch)],
         "cost": {"samples": trained, "sweep_samples": plan.sweep_samples, "share": trained / plan.sweep_samples,
-                 "branches": sum(len(c["branches"]) for c in checkpoints)},
+                 "branches": sum(len(c["branches"]) for c in checkpoints),
+                 "run_seconds": base.wall_seconds + sum(b["seconds"] for c in checkpoints for b in c["branches"])},
     }
 
 
@@ -144,7 +145,7 @@ def branch_record(result: RunResult, plan: ProbePlan, settings: ProbeSettings, a
     ok = not (result.failed or result.diverged)
     return {"factor": factor, "global_batch": plan.batch(factor), "seed": seed, "value": value_of(result, settings),
             "loss": float(result.final_loss) if ok else math.inf, "acc": float(result.final_acc) if ok else math.nan,
-            "diverged": result.diverged, "error": result.error,
+            "diverged": result.diverged, "error": result.error, "seconds": result.wall_seconds,
             "samples": max(0, result.samples_seen - at) if not result.failed else 0,
             "curve": [(p.samples_seen - at, p.loss) for p in result.history if p.samples_seen > at]}
 

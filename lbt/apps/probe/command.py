@@ -83,7 +83,7 @@ def probe_command(args: list[str]) -> None:
         print(f"\nlbt: probe stopped; finished runs are kept. Continue with: {again}", file=sys.stderr)
         sys.exit(130)
     probe = analyse(folder, plan, settings, base)
-    probe["cost"]["wall_seconds"] = round(time.perf_counter() - started, 1)
+    probe["cost"]["command_seconds"] = round(time.perf_counter() - started, 1)  # this invocation (a rerun reads)
     write_outputs(folder, probe)
     print(f"probe finished in {time.perf_counter() - started:.0f} s: {probe['answer']['sentence']}")
     print(f"report: {(folder / 'probe.md').resolve()}")

@@ -108,7 +108,8 @@ def markdown(probe: dict[str, Any]) -> str:
              f"{settings['seeds']} k=1 seeds give the noise floor.", "",
              f"Cost: {cost['samples']:,} samples in {cost['branches']} branches and the base run = "
              f"{cost['share']:.0%} of the sweep it replaces ({cost['sweep_samples']:,} samples); "
-             f"{cost.get('wall_seconds', 0):.0f} s here.", "",
+             f"{cost['run_seconds']:.0f} s of runs here (their wall times summed; side by side they take less).",
+             "",
              "## Local critical batch over training", "",
              "![critical batch over training](critical_batch_over_training.png)", "",
              "| samples seen | of budget | start val acc | noise floor | held | failed | resolved | B_noise fit | "
