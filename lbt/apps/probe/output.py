@@ -138,5 +138,8 @@ def markdown(probe: dict[str, Any]) -> str:
     lines += ["", "## Batch-size schedule", "",
               f"Start at the base batch and double it whenever the local critical batch reaches twice the "
               f"current one: {schedule}. Train with it: `lbt train ... technique=batch_ramp "
-              f"technique.batch_ramp.mode=probe technique.batch_ramp.probe=<this folder>/probe.json`.", ""]
+              f"technique.batch_ramp.mode=probe technique.batch_ramp.probe=<this folder>/probe.json`.", "",
+              f"**Answer (predicted): up to {answer['gpus']} GPUs (global batch {answer['largest_batch']:,})** within "
+              f"{settings['tolerance']:g} {metric.unit}(s) of the base batch; a study would measure it with a full "
+              f"sweep at {1 / cost['share']:.1f}x this probe's compute.", ""]
     return "\n".join(lines)
