@@ -2,7 +2,8 @@
 
 train and study commands are composed and checked as they would run (`--cfg job`: the same one-line
 checks of every job, nothing trained); tune commands lay out their grid (every cell composed and
-checked against the command, no trial run); plan commands profile briefly; report commands read a small
+checked against the command, no trial run); probe commands run on tiny synthetic data; plan commands
+profile briefly; report commands read a small
 study. Placeholders (`runs/train/<time>`, a study folder) become folders made here. The own-model section runs for real
 in tests/test_own_model.py, and lines with `...` are fragments of the command above them.
 """
@@ -36,7 +37,7 @@ COMMANDS = readme_commands()
 
 
 def test_the_readme_has_commands_of_every_kind():
-    assert {c.split()[1] for c in COMMANDS} >= {"train", "study", "tune", "report", "plan"}
+    assert {c.split()[1] for c in COMMANDS} >= {"train", "study", "probe", "tune", "report", "plan"}
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +70,13 @@ def short_form(command: str, places: dict, tmp_path: Path) -> list[str]:
     kind = args[0]
     if kind in ("train", "study") and not any(a.startswith("--cfg") for a in args):
         return args + ["--cfg", "job"]
+    if kind == "probe":  # a tiny probe on synthetic data (the command's own settings kept where it gives them)
+        tiny = ["data=synthetic", "model=mlp", "trainer.per_worker_batch=8", "trainer.epochs=4", "trainer.device=cpu",
+                "trainer.progress=false", "probe.max_factor=4", "probe.checkpoints=2", "probe.seeds=2",
+                f"probe.dir={tmp_path / 'probe'}"]
+        given = {a.split("=", 1)[0] for a in args[1:]}
+        return args + [a for a in tiny if a.split("=", 1)[0] not in given and not a.startswith("probe.dir")] + \
+            [a for a in tiny if a.startswith("probe.dir") and "probe.dir" not in given]
     if kind == "plan":  # a brief profile at a small per-worker batch, unless the command reads a run's time
         brief = [] if "--from-result" in args or "--per-worker-batch" in args else ["--per-worker-batch", "4"]
         return args + ["--repeats", "1", "--max-workers", "8", *brief, "--out", str(tmp_path / "plan.png")]
@@ -104,7 +112,9 @@ def check_tune_grid(args: list[str]) -> None:
             assert f"{key}={value}" in grid.fixed, key
 
 
-@pytest.mark.parametrize("command", COMMANDS)
+# A probe trains (a base run and its branches, tiny as they are): the slow lane's.
+@pytest.mark.parametrize("command", [pytest.param(c, marks=pytest.mark.slow) if c.split()[1] == "probe" else c
+                                     for c in COMMANDS])
 def test_readme_command(command, placeholders, tmp_path, monkeypatch, capsys):
     """In this process (`lbt.apps.cli.main`, as `lbt` runs it), from an empty folder."""
     from lbt.apps.cli import main

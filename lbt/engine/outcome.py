@@ -9,6 +9,7 @@ import torch
 import yaml
 
 from lbt.engine.build import Parts
+from lbt.metrics.critical import b_simple_undefined, run_optimizer
 from lbt.metrics.tensorboard import RunLogger
 from lbt.metrics.text_log import say
 from lbt.paths import atomic_write
@@ -53,6 +54,9 @@ def hparams_identity(spec: RunSpec, parts: Parts) -> dict[str, str]:
             "techniques": ", ".join(describe_techniques(parts)) or "none"}
 
 
+B_SIMPLE = "gns/b_simple"  # measure=[gns]'s noise scale (a batch ramp's own, batch_ramp/b_simple, steers it)
+
+
 def finished_result(spec: RunSpec, parts: Parts, result: RunResult) -> RunResult:
     """The trainer's result with what was run: the layout, the LRs, the techniques and the resolved config."""
     layout = parts.layout
@@ -63,6 +67,12 @@ def finished_result(spec: RunSpec, parts: Parts, result: RunResult) -> RunResult
     result.per_worker_batch, result.global_batch = layout.per_worker_batch, layout.global_batch
     result.steps_per_epoch, result.base_lr = layout.steps_per_epoch(parts.data.num_train), spec.base_lr
     result.token, result.techniques, result.config = parts.data.token, describe_techniques(parts), dict(spec.config)
+    undefined = b_simple_undefined(run_optimizer(spec.config))
+    if undefined and B_SIMPLE in {*result.technique_metrics, *result.technique_curves}:
+        # Measured (it costs the run nothing), but no critical batch for this step: not reported as one.
+        result.technique_metrics = {k: v for k, v in result.technique_metrics.items() if k != B_SIMPLE}
+        result.technique_curves = {k: v for k, v in result.technique_curves.items() if k != B_SIMPLE}
+        result.techniques.append(f"gns: B_simple {undefined}")
     return result
 
 

@@ -4,7 +4,8 @@
    Data Parallelism on Neural Network Training"): `crossing_step` reads one run's
    steps-to-target, `fit_steps_to_target` fits McCandlish et al.'s trade-off curve
    through those steps across batches, `bootstrap_fit` puts an interval on it.
-2. From the gradient noise scale B_simple logged during training: `gns_summary`.
+2. From the gradient noise scale B_simple logged during training: `gns_summary`; it is the critical
+   batch of plain SGD's step only (`b_simple_undefined` says why not for another optimizer).
 
 McCandlish, Kaplan, Amodei et al. 2018, "An Empirical Model of Large-Batch Training"
 (eq. 2.11, sec. 2.3): at batch B, the steps S and samples E = B S needed to reach a
@@ -171,3 +172,21 @@ def gns_summary(curve: Sequence[tuple[float, float]], last_fraction: float = 0.2
     start = (1 - last_fraction) * end
     late = [float(b) for samples, b in curve if samples >= start and math.isfinite(float(b))]
     return float(np.median(late)) if late else None
+
+
+def run_optimizer(config: Mapping | None) -> str | None:
+    """The optimizer class a run's resolved config names (`SGD`, `LARS`, `AdamW`): optim.optimizer_class, or
+    optim._target_ when that is the class itself; None when the config does not say (an old result.json)."""
+    optim = (config or {}).get("optim") or {}
+    name = str(optim.get("optimizer_class") or optim.get("_target_") or "").rsplit(".", 1)[-1]
+    return name or None
+
+
+def b_simple_undefined(optimizer: str | None) -> str | None:
+    """Why B_simple is no critical batch for runs stepped by `optimizer` (a class name, `LARS`), or None
+    where it is one: plain SGD, or an optimizer not known. McCandlish et al. derive B_simple for a step
+    along the raw minibatch gradient; LARS, LAMB and AdamW rescale it (per layer, per coordinate), so
+    the measured ratio is no longer the batch where that step stops gaining."""
+    if optimizer is None or optimizer == "SGD":
+        return None
+    return f"not defined for {optimizer} (its step is not the raw gradient B_simple is derived for)"

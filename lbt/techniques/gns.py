@@ -9,6 +9,11 @@ gradient of the global batch B, two unbiased estimates
 are each smoothed by an exponential moving average; B_simple = tr(S) / |G|^2
 (ratio of the averages). Batches are drawn without replacement from N
 samples, so 1/B becomes the finite-population factor c(B) = (N - B) / ((N - 1) B).
+
+B_simple is McCandlish et al.'s critical batch for plain SGD, whose step is the raw gradient. Under
+LARS, LAMB or AdamW the ratio is still measured from the gradients, but it is no critical batch of
+that step: readers of result.json (lbt report, lbt probe) show "not defined" for such runs
+(lbt/metrics/critical.py: b_simple_undefined).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from typing import Any
 from lbt.apps.probe.plan import ProbePlan
 from lbt.apps.probe.settings import ProbeSettings
 from lbt.metrics import branches as rules
-from lbt.metrics.critical import crossing_step
+from lbt.metrics.critical import b_simple_undefined, crossing_step, run_optimizer
 from lbt.spec.result import ResultError, RunResult, read_result
 
 PROBE_VERSION = 1
@@ -129,10 +129,9 @@ def b_simple_between(base: RunResult, start: int, end: int) -> float | str:
     """The base run's gradient noise scale B_simple over (start, end] samples (median), beside the branched
     critical batch, so a user with only a long run's B_simple curve learns how far to trust it here; or
     why there is none."""
-    optim = (base.config or {}).get("optim") or {}
-    optimizer = str(optim.get("optimizer_class") or optim.get("_target_") or "").rsplit(".", 1)[-1]
-    if optimizer and optimizer != "SGD":
-        return f"not defined for {optimizer} (its step is not the raw gradient)"
+    undefined = b_simple_undefined(run_optimizer(base.config))
+    if undefined:
+        return undefined
     curve = (base.technique_curves or {}).get("gns/b_simple") or []
     values = [b for samples, b in curve if start < samples <= end and math.isfinite(b)]
     if not values:
@@ -164,10 +163,14 @@ def answer(plan: ProbePlan, settings: ProbeSettings, last: dict[str, Any], addit
     sentence = (f"Predicted: up to {gpus} GPUs (global batch {largest:,} at per-worker batch "
                 f"{plan.per_worker_batch}) stay within {within} of the base batch {plan.base_batch:,} in this "
                 f"budget ({plan.budget:,} samples)")
+    low = min(additive, largest)
+    if low < largest:
+        sentence += f"; at least {low:,} if no early lag is made up (the pessimistic bound)"
     if last["failed"] is None:
         sentence += "; the largest batch probed held, so possibly more"
     elif not last["resolved"]:
         sentence += "; not resolved past it (the next batch's shortfall lies within the noise floor): a lower bound"
     return {"largest_batch": largest, "gpus": gpus, "per_worker_batch": plan.per_worker_batch,
             "metric": metric.name, "tolerance": settings.within, "sentence": sentence, "resolved": last["resolved"],
-            "additive_lag_bound": additive, "need_samples": {str(b): n for b, n in needs.items()}}
+            "additive_lag_bound": additive, "range": [low, largest],
+            "need_samples": {str(b): n for b, n in needs.items()}}

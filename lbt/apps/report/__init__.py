@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from lbt.apps.report.answer import answer_lines, gpu_answer, time_to_accuracy
-from lbt.apps.report.critical import critical_batch, lead_figure
+from lbt.apps.report.critical import critical_batch
 from lbt.apps.report.hybrid import hybrid_caps, hybrid_points
 from lbt.apps.report.jobs import SUMMARY_DIR, Job, load_jobs
 from lbt.apps.report.markdown import markdown
@@ -50,9 +50,8 @@ def write_report(study_dir: str | Path, target: float | None = None, tolerance: 
     target = default_target(jobs, judge) if target is None else target
     tolerance = judge.default_tolerance if tolerance is None else tolerance
     rows = aggregate(jobs, target, judge)
-    crit = critical_batch(jobs, rows, target, judge)
     answer = gpu_answer(rows, tolerance, judge)
-    crit.update(lead_figure(answer))  # the figure the report leads with; fit and gns stay as diagnostics
+    crit = critical_batch(jobs, rows, target, answer, judge)  # the sweep's figure first; fit and gns as diagnostics
     if network is not None:
         answer["time_to_accuracy"] = time_to_accuracy(rows, answer, jobs, network, step_ms)
     hybrid = hybrid_points(rows, jobs, hybrid_caps(answer, hybrid_cap), judge)

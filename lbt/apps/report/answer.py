@@ -31,14 +31,16 @@ def gpu_answer(rows: list[Row], tolerance: float, metric: Metric = ACC) -> dict[
     Entries are named after the metric (`acc`, `acc_std`, `test_acc`, `next_acc`; `loss`, ...).
     """
     split, m = study_split(rows), metric.name
-    scored = [r for r in rows if r.split == split and math.isfinite(r.final(metric))]
+    # A batch every seed of which diverged or failed has no final value, but was tried and lost: it bounds the answer.
+    tried = [r for r in rows if r.split == split and (math.isfinite(r.final(metric)) or r.diverged or r.errors)]
+    scored = [r for r in tried if math.isfinite(r.final(metric))]
     if not scored:
         return {"metric": m, "tolerance": tolerance, "split": split, "reference": None, "recipes": [], "best": None}
     smallest = min(r.global_batch for r in scored)
     at_smallest = [r for r in scored if r.global_batch == smallest]
     reference = ([r for r in at_smallest if is_baseline(r.recipe)] or at_smallest)[0]
     floor = metric.worse_by(reference.final(metric), tolerance)  # the worst value still within the tolerance
-    recipes = [recipe_answer([r for r in scored if r.recipe == recipe], floor, metric)
+    recipes = [recipe_answer([r for r in tried if r.recipe == recipe], floor, metric)
                for recipe in sorted({r.recipe for r in scored})]
     ranked = [r for r in recipes if r["global_batch"]]
     best = max(ranked, key=lambda r: (r["global_batch"], metric.score(r[m]))) if ranked else None
@@ -47,7 +49,8 @@ def gpu_answer(rows: list[Row], tolerance: float, metric: Metric = ACC) -> dict[
 
 
 def recipe_answer(rows: list[Row], floor: float, metric: Metric) -> dict[str, Any]:
-    """One recipe's entry: its largest batch at or beyond `floor` that did not diverge, and the next batch tried."""
+    """One recipe's entry: its largest batch at or beyond `floor` that did not diverge, and the next batch tried
+    (its value None where every seed there diverged or failed)."""
     m = metric.name
     mine = sorted(rows, key=lambda r: r.global_batch)
     within = [r for r in mine if metric.reached(r.final(metric), floor) and not r.diverged]
@@ -57,7 +60,8 @@ def recipe_answer(rows: list[Row], floor: float, metric: Metric) -> dict[str, An
         "recipe": mine[0].recipe, "global_batch": top and top.global_batch, "world_size": top and top.world_size,
         m: top and top.final(metric), f"{m}_std": top and top.final_std(metric), "seeds": top and top.seeds,
         f"test_{m}": top and top.test(metric), "largest_batch_run": mine[-1].global_batch,
-        "next_batch": beyond and beyond.global_batch, f"next_{m}": beyond and beyond.final(metric),
+        "next_batch": beyond and beyond.global_batch,
+        f"next_{m}": beyond.final(metric) if beyond and math.isfinite(beyond.final(metric)) else None,
     }
 
 
@@ -136,7 +140,8 @@ def recipe_table_lines(answer: dict[str, Any]) -> list[str]:
         spread = f" ± {show(r[f'{m}_std'])}" if r["seeds"] and r["seeds"] > 1 else ""
         following = (f"{r['next_batch']:,}: {show(r[f'next_{m}'])}{metric.suffix}"
                      if r["next_batch"] and r[f"next_{m}"] is not None
-                     else "none larger tried" if r["global_batch"] == r["largest_batch_run"] else "diverged")
+                     else "none larger tried" if r["global_batch"] == r["largest_batch_run"]
+                     else f"{r['next_batch']:,}: diverged or failed")
         lines.append(f"| {r['recipe']} | {r['global_batch']:,} | {r['world_size']} | {show(r[m])}{spread} "
                      f"({r['seeds']}) | {show(r[f'test_{m}'])} | {following} |")
     return lines

@@ -11,9 +11,11 @@ import math
 from typing import Any
 
 from lbt.apps.report.answer import answer_lines
+from lbt.apps.report.critical import B_SIMPLE_CAVEAT, FIT_CAVEAT
 from lbt.apps.report.hybrid import hybrid_lines
 from lbt.apps.report.jobs import Job
 from lbt.apps.report.rows import GNS_WINDOW, Row, study_split
+from lbt.metrics.critical import b_simple_undefined
 from lbt.spec.objective import ACC, Metric
 
 
@@ -67,41 +69,53 @@ def preamble_lines(split: str, target: float | None, metric: Metric) -> list[str
 
 
 def lead_line(crit: dict[str, Any], metric: Metric) -> str:
-    """The report's one critical-batch figure, how it was measured and how sure it is."""
-    if not crit.get("value"):
-        return f"**Critical batch: not measured** (no recipe stayed within tolerance; {crit['method']})."
-    value, failed = crit["value"], crit.get("failed")
-    if failed:
-        bracket = (f"the next batch tried, {failed:,}, reached {metric.show(crit['failed_value'])}{metric.suffix}: "
-                   f"the critical batch lies between {value:,} and {failed:,}")
+    """The report's one critical-batch figure: how it was measured, and how sure it is (the bracket
+    between the last batch that held and the first that did not, and the seeds' spread)."""
+    def shown(value: float) -> str:
+        return f"{metric.show(value)}{metric.suffix}"
+
+    def units(amount: float) -> str:
+        return metric.units(round(amount, metric.decimals))
+
+    how = (f"the largest global batch whose mean final {crit['split']} {metric.label} stays within "
+           f"{metric.units(crit['tolerance'])} of the base batch's, from {crit['runs']} runs")
+    if not crit["value"]:
+        return f"**Critical batch: not measured**: no run finished (the report measures it as {how})."
+    base, value, failed = crit["base"], crit["value"], crit["failed"]
+    seeds = (f"mean of {crit['seeds']} seeds ± {units(crit['held_std'] / metric.unit_size)}" if crit["seeds"] > 1
+             else "1 seed")
+    held = (f"At {value:,}, {crit['recipe']} reached {shown(crit['held_value'])} ({seeds}; "
+            f"{units(crit['held_by'])} worse than the base)")
+    if failed and crit["failed_value"] is not None:
+        bracket = (f"the next batch tried, {failed:,}, was {units(crit['failed_by'])} worse "
+                   f"({shown(crit['failed_value'])}): the critical batch lies between {value:,} and {failed:,}")
+    elif failed:
+        bracket = (f"the next batch tried, {failed:,}, diverged or failed: the critical batch lies between {value:,} "
+                   f"and {failed:,}")
     else:
-        bracket = f"it is the largest batch run ({crit['largest_run']:,}): the critical batch is at least {value:,}"
-    return (f"**Critical batch: {value:,}** (global batch, {crit['recipe']}), measured by the {crit['method']}; "
-            f"{bracket}.")
+        bracket = f"no larger batch was tried: the critical batch is at least {value:,}"
+    return (f"**Critical batch: {value:,}** (global batch, {crit['recipe']}; measured: {how}; base: "
+            f"{base['recipe']} at {base['global_batch']:,}, {shown(base[metric.name])}). {held}; {bracket}.")
 
 
 def critical_lines(crit: dict[str, Any]) -> list[str]:
-    """The critical batch from steps to target and from the gradient noise scale, or why each is missing."""
+    """The critical batch from steps to target and from the gradient noise scale, or why each is missing,
+    each with why it can differ from the figure the report leads with."""
     lines = ["These measure other things than the figure above and can disagree with it by orders of magnitude; "
              "they are not the answer.", ""]
     if crit["fit"]:
         low, high = crit["fit_interval"]
         lines.append(f"- From steps to target ({crit['series']}, {crit['fit_points']} runs, S = S_min (1 + B_noise/B), "
                      f"McCandlish et al. 2018): {crit['fit']:,.0f} (90% bootstrap interval {low:,.0f} - "
-                     f"{high:,.0f}; S_min {crit['s_min']:,.1f} steps, E_min {crit['e_min']:,.0f} samples). It "
-                     "extrapolates the trade-off between steps and samples to reach a target, not the value a fixed "
-                     "budget ends at.")
+                     f"{high:,.0f}; S_min {crit['s_min']:,.1f} steps, E_min {crit['e_min']:,.0f} samples). "
+                     f"{FIT_CAVEAT}")
     else:
         lines.append(f"- From steps to target ({crit['series']}): not measured: {crit['fit_error']}")
     if crit["gns"]:
-        lines.append(f"- From the gradient noise scale B_simple ({crit['series']}, median over runs of its median over "
-                     f"the last {100 * GNS_WINDOW:g}% of training): {crit['gns']:,.0f}. McCandlish et al.'s estimate "
-                     "for plain SGD with an isotropic Hessian; measured far below the batch where accuracy breaks on "
-                     "OLMo (Merrill et al. 2025).")
-    elif crit.get("gns_note"):
-        lines.append(f"- From the gradient noise scale B_simple ({crit['series']}): {crit['gns_note']}")
+        lines.append(f"- From the gradient noise scale B_simple ({crit['gns_series']}, median over runs of its median "
+                     f"over the last {100 * GNS_WINDOW:g}% of training): {crit['gns']:,.0f}. {B_SIMPLE_CAVEAT}")
     else:
-        lines.append("- From the gradient noise scale: not measured (run the study with measure=[gns])")
+        lines.append(f"- From the gradient noise scale B_simple ({crit['gns_series']}): {crit['gns_note']}")
     if crit["ratio"]:
         lines.append(f"- Ratio fit / gns: {crit['ratio']:.2f}")
     return lines
@@ -135,5 +149,10 @@ def row_cells(r: Row, split: str, metric: Metric, losses: bool, text: bool) -> l
                        + [f"error {r.errors}/{r.seeds}"] * bool(r.errors)) or "no"
     return cells + [fmt(r.gap, metric.gap_spec), fmt(r.steps, ".0f"),
                     fmt(r.steps_to_target if mine else None, ".0f", r.steps_to_target_std),
-                    fmt(r.b_simple, ",.0f"), fmt(r.samples_per_sec, ",.0f"), fmt(r.allreduces, ",.0f"),
+                    b_simple_cell(r), fmt(r.samples_per_sec, ",.0f"), fmt(r.allreduces, ",.0f"),
                     fmt(None if r.bytes_sent is None else r.bytes_sent / 1e6, ",.1f"), status]
+
+
+def b_simple_cell(r: Row) -> str:
+    """B_simple of a row, or `not defined for LARS` where the optimizer's step is not the raw gradient."""
+    return f"not defined for {r.optimizer}" if b_simple_undefined(r.optimizer) else fmt(r.b_simple, ",.0f")

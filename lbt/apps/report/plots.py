@@ -5,7 +5,7 @@ with one vertical line at the report's critical batch (the sweep's own, which it
 <metric>_vs_gpus.png: the final value against GPU count, data parallelism alone and the data x tensor
 parallel hybrid past the cap. steps_to_target.png: steps to the target per batch with the fitted
 S = S_min (1 + B_noise / B). gns_over_training.png: B_simple over training for each job of the
-critical-batch series.
+series the report reads B_simple from (SGD's only: for another optimizer it says it is not defined).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 from lbt.apps.plotting import batch_axis, figure, save_figure
 from lbt.apps.report.jobs import Job
 from lbt.apps.report.rows import B_SIMPLE, GNS_WINDOW, Row, study_split
+from lbt.metrics.critical import b_simple_undefined, run_optimizer
 from lbt.spec.objective import ACC, Metric
 
 
@@ -44,7 +45,8 @@ def plot_metric_vs_batch(rows: list[Row], crit: dict[str, Any], path: Path, metr
                        color=line[0].get_color(), label=f"{recipe}: diverged/failed")
     if crit.get("value"):
         ax.axvline(crit["value"], color="gray", linestyle="--",
-                   label=f"critical batch {crit['value']:,} (largest within tolerance, {crit['recipe']})")
+                   label=f"critical batch {crit['value']:,} ({crit['recipe']}: the largest within "
+                         f"{metric.units(crit['tolerance'])} on {crit['split']})")
     vertical = [float(line.get_xdata()[0]) for line in ax.get_lines()
                 if len(set(line.get_xdata())) == 1 and len(line.get_xdata()) == 2]
     batch_axis(ax)
@@ -111,18 +113,22 @@ def plot_steps(rows: list[Row], target: float | None, crit: dict[str, Any], path
 
 
 def plot_gns(jobs: list[Job], crit: dict[str, Any], path: Path) -> None:
-    """B_simple over training (samples seen), one line per job of the critical-batch series."""
+    """B_simple over training (samples seen), one line per job of the series the report takes B_simple from;
+    none where it is not defined (another optimizer than SGD) or not measured: the plot says why."""
     fig, ax = figure()
     for job in sorted(jobs, key=lambda job: (job.result.global_batch, job.result.seed or 0)):
         curve = job.result.technique_curves.get(B_SIMPLE, [])
-        if job.series == crit["series"] and curve:
+        if job.series == crit["gns_series"] and curve and not b_simple_undefined(run_optimizer(job.result.config)):
             ax.plot([p[0] for p in curve], [p[1] for p in curve], marker=".",
                     label=f"B={job.result.global_batch:,} seed {job.result.seed or 0}")
     ax.set_xlabel("samples seen")
     ax.set_ylabel("gradient noise scale B_simple")
-    ax.set_yscale("log")
-    ax.set_title(f"{crit['series']}: B_simple over training (summarised over the last {100 * GNS_WINDOW:g}%)")
+    ax.set_title(f"{crit['gns_series']}: B_simple over training (summarised over the last {100 * GNS_WINDOW:g}%)")
     ax.grid(True, which="both", alpha=0.3)
     if ax.lines:
+        ax.set_yscale("log")
         ax.legend(fontsize=7)
+    else:
+        note = crit["gns_note"].replace(" (", "\n(", 1)  # the reason on a line of its own, inside the axes
+        ax.text(0.5, 0.5, f"B_simple {note}", transform=ax.transAxes, ha="center", va="center")
     save_figure(fig, path)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from lbt.apps.report.jobs import Job, is_baseline
-from lbt.metrics.critical import crossing_step, gns_summary
+from lbt.metrics.critical import b_simple_undefined, crossing_step, gns_summary, run_optimizer
 from lbt.metrics.spread import mean_std
 from lbt.spec.objective import ACC, Metric
 
@@ -43,7 +43,8 @@ class Row:
     samples_per_sec: float
     diverged: int
     errors: int
-    b_simple: float | None  # gradient noise scale over the last GNS_WINDOW of training, median over seeds
+    b_simple: float | None  # gradient noise scale over the last GNS_WINDOW of training, median over seeds;
+    # None where it was not measured or is not defined for `optimizer` (b_simple_undefined)
     jobs: list[str] = field(default_factory=list)
     final_loss: float = math.nan  # on `split`
     final_loss_std: float = math.nan
@@ -55,6 +56,7 @@ class Row:
     # Model-sized allreduces per run and the bytes each worker sent (mean over seeds): accuracy against communication.
     allreduces: float | None = None
     bytes_sent: float | None = None
+    optimizer: str | None = None  # the class that stepped the runs (`SGD`, `LARS`); None if result.json does not say
 
     def final(self, metric: Metric) -> float:
         """The final value of `metric` on `split` (mean over seeds): final_acc or final_loss."""
@@ -149,11 +151,15 @@ def group_row(series: str, global_batch: int, every: list[Job], target: float | 
         test_bits_per_char=mean_std_or_none([job.bits_per_char(job.result.test_loss) for job in trained])[0],
         allreduces=mean_std([job.result.allreduces for job in ok])[0] if ok else None,
         bytes_sent=mean_std([job.result.bytes_sent for job in ok])[0] if ok else None,
+        optimizer=run_optimizer(members[0].result.config),  # a series is one optimizer (optim= is swept apart)
     )
 
 
 def late_b_simple(job: Job) -> float | None:
-    """A job's gradient noise scale over the last GNS_WINDOW of training; None if it did not measure it."""
+    """A job's gradient noise scale over the last GNS_WINDOW of training; None if it did not measure it, or
+    if its optimizer's step is not the one B_simple is defined for (plain SGD's)."""
+    if b_simple_undefined(run_optimizer(job.result.config)):
+        return None
     curve = job.result.technique_curves.get(B_SIMPLE, [])
     return gns_summary([(samples, value) for samples, value in curve], GNS_WINDOW)
 
