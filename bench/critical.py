@@ -1,0 +1,321 @@
+"""Critical batch: `lbt probe` against the full sweep it replaces (issue 28, section 4).
+
+For each workload:
+  (a) the sweep: `lbt train -m` at every power-of-two world size 1..128 (per-worker batch 64, so global
+      batch 64..8,192) x seeds 0,1, full-length runs, and its measured answer: the largest global batch
+      whose mean final val metric over the seeds, and every smaller batch's, stays within the tolerance
+      (1 accuracy point, or 0.05 nats) of the base batch's; a diverged or failed run counts as failing;
+  (b) `lbt probe` on the same overrides (default probe settings but probe.metric, and probe.max_factor
+      where the sweep stops below 128: char_lm, see workloads()): its answer and compute share;
+  (c) diagnostics on the sweep: the steps-to-target fit S = S_min (1 + B_noise / B) to each run's steps
+      to the base batch's final val metric less the tolerance, and B_simple (cnn1d only: its sweep runs
+      measure=[gns]; median over the runs at world size >= 2 of each one's last 20% of training);
+  (d) the probe's batch schedule trained from scratch (technique=batch_ramp mode=probe, grow=world_size)
+      against the probe's own base run: optimizer steps to reach the base run's final val loss, and to
+      lbt's loss target (that loss + 0.05 nats), the step saving, and the final val accuracy difference.
+
+    python bench/critical.py                                   # all four workloads (about an hour, 2 cores)
+    python bench/critical.py --workloads mlp,cnn1d --out runs/bench/critical
+
+Everything lands in --out (git-ignored runs/) and is read back when there: a sweep whose folder holds
+every result.json is not run again, a probe continues itself (same probe.dir), and the schedule run is
+kept while the probe's schedule is the one it trained. Last line: `probe_worst_factor=F
+probe_compute_share=C` (the worst workload's max(predicted/swept, swept/predicted), the largest share).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import shutil
+import statistics
+import subprocess
+import sys
+import sysconfig
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from lbt.apps.compose import compose
+from lbt.engine import make_spec
+from lbt.engine.build import build_data
+from lbt.metrics.critical import crossing_step, fit_steps_to_target, gns_summary
+from lbt.spec.objective import LOSS, Metric, metric_named
+from lbt.spec.result import RunResult, read_result
+
+REPO = Path(__file__).resolve().parent.parent
+QUIET = ["trainer.progress=false", "trainer.threads=1", "trainer.device=cpu"]
+PARALLEL = ["hydra/launcher=local_parallel"]  # two jobs side by side, one thread each
+PER_WORKER_BATCH = 64  # lbt's default: world size W trains at global batch 64 W
+MAX_FACTOR = 128
+SEEDS = (0, 1)
+TEXT_BYTES = 1_200_000  # the character LM's corpus: at least this much of the stdlib's source
+GNS_WINDOW = 0.2  # B_simple: the last 20% of training, as `lbt report` summarises it
+
+
+def stdlib_text(out: Path) -> Path:
+    """>= 1.2 MB of text: the Python installation's own top-level stdlib .py files, sorted by name and
+    concatenated until the size is reached (the same file every time on one Python version)."""
+    path = out / "stdlib.txt"
+    if not path.exists():
+        chunks, size = [], 0
+        for source in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+            chunks.append(source.read_text(encoding="utf-8", errors="replace"))
+            size += len(chunks[-1])
+            if size >= TEXT_BYTES:
+                break
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(chunks), encoding="utf-8")
+    return path
+
+
+def workloads(out: Path) -> dict[str, tuple[list[str], str, list[str]]]:
+    """name -> (overrides for every run, probe metric, extra overrides for the sweep runs only)."""
+    return {
+        "mlp": (["model=mlp", "recipe=goyal2017"], "acc", []),
+        "cnn1d": (["recipe=goyal2017"], "acc", ["measure=[gns]"]),
+        # 4 epochs of 15,744 windows, and 64x (4,096) at most: lbt probe's branches (10% of the budget) must
+        # hold one step of the largest batch, so 128x (8,192) needs 6 epochs, whose sweep would take ~40 min
+        # on 2 shared cores; the sweep stops at 64x too (the same probe.max_factor).
+        "char_lm": (["data=text", f"data.path={stdlib_text(out)}", "recipe=adamw_sqrt", "trainer.epochs=4"],
+                    "loss", []),
+        # 5 epochs, not the default 10: its 5-epoch sweep took 19 min on 2 shared cores, 10 would take ~35.
+        "transformer1d": (["model=transformer1d", "recipe=adamw_sqrt", "trainer.epochs=5"], "acc", []),
+    }
+
+
+# Workloads whose sweep and probe stop below MAX_FACTOR for their budget (see workloads()).
+FACTOR_CAP = {"char_lm": 64}
+
+
+def largest_factor(name: str, overrides: list[str]) -> int:
+    """128 (or the workload's cap), or the largest power of two whose global batch fits in the training set."""
+    composed = compose(overrides)
+    train = len(build_data(make_spec(composed.config, composed.recipe, overrides).data).train)
+    factor = FACTOR_CAP.get(name, MAX_FACTOR)
+    while factor * PER_WORKER_BATCH > train:
+        factor //= 2
+    return factor
+
+
+def lbt(args: list[str], log: Path) -> int:
+    with log.open("a") as f:
+        f.write(f"\n$ lbt {' '.join(args)}\n")
+        f.flush()
+        done = subprocess.run([sys.executable, "-m", "lbt", *args], cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+    return done.returncode
+
+
+class Timing:
+    """Wall seconds of each phase, kept in the workload's folder so a cached phase still reports its time."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.seconds = json.loads(path.read_text()) if path.exists() else {}
+
+    def record(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] = round(seconds)
+        self.path.write_text(json.dumps(self.seconds, indent=1))
+
+
+def logged_seconds(folder: Path, log: Path) -> float | None:
+    """A sweep's wall time when no timing.json kept it: from its log's first Hydra line to its last result."""
+    try:
+        first = log.read_text().split("[HYDRA]", 1)[0].rsplit("[", 1)[1].rstrip("] \n")
+        start = dt.datetime.strptime(first.split(",")[0], "%Y-%m-%d %H:%M:%S").timestamp()
+        return max(p.stat().st_mtime for p in folder.glob("*/result.json")) - start
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def sweep(folder: Path, overrides: list[str], factor: int, timing: Timing) -> list[RunResult]:
+    sizes = [2**i for i in range(int(math.log2(factor)) + 1)]
+    jobs = len(sizes) * len(SEEDS)
+    if len(list(folder.glob("*/result.json"))) < jobs:
+        shutil.rmtree(folder, ignore_errors=True)
+        started = time.perf_counter()
+        code = lbt(["train", "-m", *overrides, *QUIET, *PARALLEL, f"dist.world_size={','.join(map(str, sizes))}",
+                    f"trainer.seed={','.join(map(str, SEEDS))}", f"hydra.sweep.dir={folder}"],
+                   folder.parent / "sweep.log")
+        if len(list(folder.glob("*/result.json"))) < jobs:  # a failed job writes a result.json saying why
+            raise SystemExit(f"the sweep in {folder} left runs without a result (exit {code}); see its sweep.log")
+        timing.record("sweep", time.perf_counter() - started)
+    elif "sweep" not in timing.seconds and (seconds := logged_seconds(folder, folder.parent / "sweep.log")):
+        timing.record("sweep", seconds)
+    return [read_result(p.parent) for p in sorted(folder.glob("*/result.json"))]
+
+
+def value(result: RunResult, metric: Metric) -> float:
+    """A run's final val value; a diverged or failed run's is the metric's worst (it fails any tolerance)."""
+    number = getattr(result, f"final_{metric.name}")
+    return number if result.trained and math.isfinite(number) else metric.worst
+
+
+def sweep_answer(results: list[RunResult], metric: Metric) -> tuple[int, int | None, dict[int, float]]:
+    """(largest batch within tolerance of the base batch, the next batch (None: all held), mean by batch)."""
+    by_batch: dict[int, list[float]] = defaultdict(list)
+    for r in results:
+        by_batch[r.global_batch].append(value(r, metric))
+    means = {b: statistics.fmean(v) for b, v in sorted(by_batch.items())}
+    base = min(means)
+    floor = metric.worse_by(means[base], metric.default_tolerance)
+    answer = base
+    for batch, mean in means.items():
+        if not metric.reached(mean, floor):
+            return answer, batch, means
+        answer = batch
+    return answer, None, means
+
+
+def steps_fit(results: list[RunResult], metric: Metric, target: float) -> str:
+    """B_noise of S = S_min (1 + B_noise / B) on the runs' steps to `target`, or why there is none."""
+    points = [(r.global_batch, crossing_step(r.history, target, metric=metric)) for r in results if r.trained]
+    points = [(b, s) for b, s in points if s]
+    try:
+        fit = fit_steps_to_target([b for b, _ in points], [s for _, s in points])
+    except ValueError as error:
+        return f"no fit ({error})"
+    return f"{fit.b_crit:,.0f} (rms {fit.rel_rms:.0%})"
+
+
+def b_simple(results: list[RunResult]) -> str:
+    late = [gns_summary([(s, b) for s, b in r.technique_curves.get("gns/b_simple", [])], GNS_WINDOW)
+            for r in results if r.trained and r.world_size >= 2]
+    late = [b for b in late if b is not None]
+    return f"{statistics.median(late):,.0f}" if late else "not measured"
+
+
+def probe(folder: Path, overrides: list[str], metric: str, factor: int, timing: Timing) -> dict:
+    fresh = not (folder / "probe.json").exists()
+    if not fresh and "probe" not in timing.seconds:  # run before by another invocation: its own wall time
+        cost = json.loads((folder / "probe.json").read_text())["cost"]
+        timing.record("probe", cost.get("command_seconds", cost.get("wall_seconds", 0)))
+    started = time.perf_counter()
+    code = lbt(["probe", *overrides, *QUIET, *PARALLEL, f"probe.metric={metric}",
+                *([f"probe.max_factor={factor}"] if factor != MAX_FACTOR else []), f"probe.dir={folder}"],
+               folder.parent / "probe.log")
+    if code or not (folder / "probe.json").exists():
+        raise SystemExit(f"lbt probe failed (exit {code}); see {folder.parent / 'probe.log'}")
+    if fresh:
+        timing.record("probe", time.perf_counter() - started)
+    return json.loads((folder / "probe.json").read_text())
+
+
+def schedule_check(run_dir: Path, overrides: list[str], probe_dir: Path, probe_json: dict, timing: Timing) -> dict:
+    """The probe's batch schedule from scratch vs the probe's base run (same overrides, same seed)."""
+    schedule = probe_json["batch_schedule"]
+    trained = run_dir / "schedule.json"  # the schedule the run in run_dir was trained with
+    if not (run_dir / "result.json").exists() or not trained.exists() or json.loads(trained.read_text()) != schedule:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        started = time.perf_counter()
+        code = lbt(["train", *overrides, *QUIET, "+technique=batch_ramp", "technique.batch_ramp.mode=probe",
+                    f"technique.batch_ramp.probe={probe_dir / 'probe.json'}", "technique.batch_ramp.grow=world_size",
+                    f"hydra.run.dir={run_dir}"], run_dir.parent / "schedule.log")
+        if code or not (run_dir / "result.json").exists():
+            raise SystemExit(f"the batch-schedule run failed (exit {code}); see {run_dir.parent / 'schedule.log'}")
+        trained.write_text(json.dumps(schedule))
+        timing.record("schedule", time.perf_counter() - started)
+    base, ramp = read_result(Path(probe_json["base"]["dir"])), read_result(run_dir)
+
+    def steps_to(loss: float) -> tuple[float | None, float | None, float | None]:
+        base_steps = crossing_step(base.history, loss, metric=LOSS)
+        ramp_steps = crossing_step(ramp.history, loss, metric=LOSS) if ramp.trained else None
+        saving = 1 - ramp_steps / base_steps if base_steps and ramp_steps is not None else None
+        return base_steps, ramp_steps, saving
+
+    exact, target = base.final_loss, LOSS.worse_by(base.final_loss, LOSS.target_margin)
+    return {"base_final_loss": exact, "target_loss": target,
+            "to_final": steps_to(exact), "to_target": steps_to(target),
+            "base_total_steps": base.steps, "schedule_total_steps": ramp.steps,
+            "acc_diff_points": (ramp.final_acc - base.final_acc) * 100, "loss_diff": ramp.final_loss - base.final_loss,
+            "batches_by_epoch": next((t for t in ramp.techniques if "batch schedule" in t), "")}
+
+
+def one(name: str, overrides: list[str], metric_name: str, sweep_only: list[str], out: Path) -> dict:
+    folder = out / name
+    folder.mkdir(parents=True, exist_ok=True)
+    timing = Timing(folder / "timing.json")
+    metric = metric_named(metric_name, "metric")
+    factor = largest_factor(name, overrides)
+    results = sweep(folder / "sweep", [*overrides, *sweep_only], factor, timing)
+    swept, next_batch, means = sweep_answer(results, metric)
+    base_mean = means[min(means)]
+    found = probe(folder / "probe", overrides, metric_name, factor, timing)
+    predicted = found["answer"]["largest_batch"]
+    row = {"workload": name, "overrides": overrides, "sweep_only": sweep_only, "metric": metric_name,
+           "max_factor": factor, "swept": swept, "swept_next": next_batch, "predicted": predicted,
+           "predicted_resolved": found["answer"]["resolved"], "additive_bound": found["answer"]["additive_lag_bound"],
+           "factor": max(predicted / swept, swept / predicted), "share": found["cost"]["share"],
+           "fit": steps_fit(results, metric, metric.worse_by(base_mean, metric.default_tolerance)),
+           "b_simple": b_simple(results), "means": {str(b): v for b, v in means.items()},
+           "local": [{"at": c["samples"], **c["local_critical"]} for c in found["checkpoints"]],
+           "batch_schedule": found["batch_schedule"]}
+    row["schedule"] = schedule_check(folder / "schedule", overrides, folder / "probe", found, timing)
+    row["seconds"] = timing.seconds
+    (folder / "row.json").write_text(json.dumps(row, indent=1))
+    return row
+
+
+def pct(saving: float | None) -> str:
+    return "never" if saving is None else f"{saving:.0%}"
+
+
+def steps(pair: tuple) -> str:
+    base_steps, ramp_steps, saving = pair
+    shown = ["never" if s is None else f"{s:,.0f}" for s in (base_steps, ramp_steps)]
+    return f"{shown[1]} vs {shown[0]} ({pct(saving)})"
+
+
+def line(row: dict) -> str:
+    s, m = row["schedule"], metric_named(row["metric"], "metric")
+    local = ", ".join(f"{c['held']:,}{'' if c['resolved'] else '+'}" for c in row["local"])
+    means = " ".join(f"{int(b):,}:{m.show(v)}" for b, v in row["means"].items())
+    t = row["seconds"]
+    return (f"{row['workload']}: sweep {row['swept']:,} (next {row['swept_next'] or '-'}), probe {row['predicted']:,} "
+            f"(x{row['factor']:.2f}) at {row['share']:.0%} of the sweep's samples; local critical by checkpoint "
+            f"{local}; fit {row['fit']}; B_simple {row['b_simple']}; schedule steps to the base's final val loss "
+            f"{steps(s['to_final'])}, to +0.05 nats {steps(s['to_target'])}, val acc {s['acc_diff_points']:+.2f} "
+            f"points; sweep means {means}; wall: sweep {t.get('sweep', '?')} s, probe {t.get('probe', '?')} s, "
+            f"schedule {t.get('schedule', '?')} s")
+
+
+def table(rows: list[dict]) -> None:
+    print("| workload | metric | sweep answer | probe answer | factor | probe share | steps-to-target fit | B_simple "
+          "| schedule steps saved (final loss) | (final loss + 0.05) | schedule val acc diff | wall: sweep / probe "
+          "/ schedule |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        s, t = r["schedule"], r["seconds"]
+        print(f"| {r['workload']} | {r['metric']} | {r['swept']:,} | {r['predicted']:,} | {r['factor']:.2f} | "
+              f"{r['share']:.0%} | {r['fit']} | {r['b_simple']} | {pct(s['to_final'][2])} | {pct(s['to_target'][2])} | "
+              f"{s['acc_diff_points']:+.2f} | {t.get('sweep', '?')} / {t.get('probe', '?')} / "
+              f"{t.get('schedule', '?')} s |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="mlp,cnn1d,char_lm,transformer1d",
+                        help="comma-separated, of: mlp, cnn1d, char_lm, transformer1d")
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench" / "critical")
+    args = parser.parse_args()
+    out = args.out.resolve()
+    known = workloads(out)
+    names = args.workloads.split(",")
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        parser.error(f"unknown workload(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+    started, rows = time.perf_counter(), []
+    for name in names:
+        overrides, metric, sweep_only = known[name]
+        rows.append(one(name, overrides, metric, sweep_only, out))
+        print(line(rows[-1]), flush=True)
+    print(f"total wall time {time.perf_counter() - started:.0f} s (cached phases take none)")
+    table(rows)
+    print(f"probe_worst_factor={max(r['factor'] for r in rows):.2f} "
+          f"probe_compute_share={max(r['share'] for r in rows):.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
