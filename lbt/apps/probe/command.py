@@ -21,6 +21,8 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from lbt.apps.compose import compose
@@ -73,12 +75,12 @@ def probe_command(args: list[str]) -> None:
     given = [a for a in args if a.startswith("probe.") and not a.startswith("probe.dir=")]
     again = f"lbt probe {' '.join([*overrides, *given])} probe.dir={folder}"
     try:
-        os.environ[CONSOLE] = "silent"  # the timed steps say nothing (each job's train.log has all it says)
-        say_cost(spec, plan, folder)
-        os.environ[CONSOLE] = "brief"  # the base run's epochs, without its config
-        base = run_base(folder, plan, overrides, again)
-        os.environ[CONSOLE] = "quiet"  # a branch's closing line only
-        run_branches(folder, plan, settings, overrides, base, again)
+        with console("silent"):  # the timed steps say nothing (each job's train.log has all it says)
+            say_cost(spec, plan, folder)
+        with console("brief"):  # the base run's epochs, without its config
+            base = run_base(folder, plan, overrides, again)
+        with console("quiet"):  # a branch's closing line only
+            run_branches(folder, plan, settings, overrides, base, again)
     except KeyboardInterrupt:
         print(f"\nlbt: probe stopped; finished runs are kept. Continue with: {again}", file=sys.stderr)
         sys.exit(130)
@@ -87,6 +89,20 @@ def probe_command(args: list[str]) -> None:
     write_outputs(folder, probe)
     print(f"probe finished in {time.perf_counter() - started:.0f} s: {probe['answer']['sentence']}")
     print(f"report: {(folder / 'probe.md').resolve()}")
+
+
+@contextmanager
+def console(level: str) -> Iterator[None]:
+    """What the runs started inside show on the console (lbt.metrics.text_log.CONSOLE); restored after."""
+    before = os.environ.get(CONSOLE)
+    os.environ[CONSOLE] = level
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(CONSOLE, None)
+        else:
+            os.environ[CONSOLE] = before
 
 
 def plan_probe(settings: ProbeSettings, overrides: list[str]) -> tuple[RunSpec, ProbePlan]:
