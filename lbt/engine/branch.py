@@ -25,7 +25,7 @@ import math
 from dataclasses import asdict, replace
 from typing import TYPE_CHECKING
 
-from lbt.engine.checkpoint import full_state, load_model_and_optimizer, save_snapshot
+from lbt.engine.checkpoint import full_state, load_buffers, load_model_and_optimizer, own_buffers, save_snapshot
 from lbt.engine.step import LoopState
 from lbt.errors import ConfigError
 from lbt.spec.batching import make_budget
@@ -45,7 +45,7 @@ def take_snapshot(trainer: Trainer, run_dir: str) -> None:
     point = history[-1] if history and history[-1].step == s.step else trainer.validate(layout)
     state = {"model": full_state(trainer.model.state_dict(), trainer.ctx),
              "optimizer": full_state(trainer.optimizer.state_dict(), trainer.ctx),
-             "buffers": {k: v.detach().clone() for k, v in trainer.model.named_buffers()},
+             "buffers": own_buffers(trainer.model),
              "loop": asdict(s), "global_batch": layout.global_batch,
              "total_samples": trainer.schedule.total_samples, "point": asdict(point)}
     if trainer.ctx.is_main:
@@ -55,9 +55,7 @@ def take_snapshot(trainer: Trainer, run_dir: str) -> None:
 def start_branch(trainer: Trainer, snapshot: dict, samples: int, diverge: float) -> None:
     """Set the trainer to continue `snapshot` for `samples` samples at its own batch (see the module)."""
     load_model_and_optimizer(trainer.model, trainer.optimizer, snapshot["model"], snapshot["optimizer"], trainer.ctx)
-    buffers = dict(trainer.model.named_buffers())
-    for name, value in snapshot["buffers"].items():
-        buffers[name].copy_(value)
+    load_buffers(trainer.model, snapshot["buffers"])
     base, layout = LoopState(**snapshot["loop"]), trainer.budget.layouts[0]
     epoch, offset = base.epoch, base.step_in_epoch * snapshot["global_batch"]
     layouts = list(trainer.budget.layouts) + [layout]  # room for a branch that starts late in the last epoch

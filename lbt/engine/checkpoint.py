@@ -249,6 +249,17 @@ def load_model_and_optimizer(model: torch.nn.Module, optimizer: torch.optim.Opti
         optimizer.load_state_dict(optimizer_state)
 
 
+def own_buffers(model: torch.nn.Module) -> dict:
+    """A copy of this rank's buffers (BN statistics: each process keeps its own during training)."""
+    return {k: v.detach().clone() for k, v in model.named_buffers()}
+
+
+def load_buffers(model: torch.nn.Module, saved: dict) -> None:
+    buffers = dict(model.named_buffers())
+    for name, value in saved.items():
+        buffers[name].copy_(value)
+
+
 def checkpointed_result(result: RunResult) -> dict:
     """The result so far, as plain values (the step timings restart with the resumed run)."""
     return {k: v for k, v in asdict(result).items() if k not in ("stopped", "step_seconds")}

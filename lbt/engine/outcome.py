@@ -17,6 +17,7 @@ from lbt.spec import lr as lbt_lr
 from lbt.spec.objective import bits
 from lbt.spec.result import RunResult, write_result
 from lbt.spec.run import RunSpec
+from lbt.techniques.gns import B_SIMPLE
 
 
 def print_start(spec: RunSpec, parts: Parts, run_dir: str) -> None:
@@ -48,13 +49,10 @@ def hparams_identity(spec: RunSpec, parts: Parts) -> dict[str, str]:
     optimizer, schedule and techniques (without them, runs differing only there look identical)."""
     s = parts.schedule
     warmup = f"{s.warmup_mode} warmup {s.warmup_samples:,} samples" if s.warmup_samples else "no warmup"
-    optimizer = str(spec.optim.kwargs.get("optimizer_class") or spec.optim.target).rsplit(".", 1)[-1]
+    optimizer = run_optimizer(spec.config) or spec.optim.name
     return {"model": spec.model.name, "data": spec.data.name, "optim": optimizer,
             "schedule": f"{s.scaling} scaling, {warmup}, {s.decay} decay",
             "techniques": ", ".join(describe_techniques(parts)) or "none"}
-
-
-B_SIMPLE = "gns/b_simple"  # measure=[gns]'s noise scale (a batch ramp's own, batch_ramp/b_simple, steers it)
 
 
 def finished_result(spec: RunSpec, parts: Parts, result: RunResult) -> RunResult:

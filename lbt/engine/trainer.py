@@ -28,7 +28,9 @@ from lbt.engine.checkpoint import (
     Checkpointer,
     checkpointed_result,
     full_state,
+    load_buffers,
     load_model_and_optimizer,
+    own_buffers,
     restored_result,
 )
 from lbt.engine.evaluate import evaluate
@@ -296,7 +298,7 @@ class Trainer:
                 "result": checkpointed_result(self.result), "layouts": [asdict(p) for p in self.budget.layouts],
                 "precision": self.precision.state_dict()}
         # Every rank's own: its BN statistics, RNG states and technique state (PowerSGD's error feedback).
-        own = {"buffers": {k: v.detach().clone() for k, v in self.model.named_buffers()}, "rng": rng_state(),
+        own = {"buffers": own_buffers(self.model), "rng": rng_state(),
                "techniques": {t.name: t.state_dict() for t in self.techniques}, "strategy": self.strategy.state_dict()}
         # Logged events first: once the checkpoint is the latest, a resume from it does not log its step
         # again, so a kill between the two must not lose what the step logged (its evaluation).
@@ -305,9 +307,7 @@ class Trainer:
 
     def load_checkpoint(self, main: dict, own: dict) -> None:
         load_model_and_optimizer(self.model, self.optimizer, main["model"], main["optimizer"], self.ctx)
-        buffers = dict(self.model.named_buffers())
-        for name, value in own["buffers"].items():  # this rank's own BN statistics
-            buffers[name].copy_(value)
+        load_buffers(self.model, own["buffers"])  # this rank's own BN statistics
         self.precision.load_state_dict(main.get("precision", {}))  # fp16's loss scale and skipped steps
         self.state = LoopState(**main["loop"])
         # Batch layouts an automatic ramp decided; a run extended on resume (more epochs) keeps the last.

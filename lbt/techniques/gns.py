@@ -31,6 +31,7 @@ from lbt.spec.result import EvalPoint
 from lbt.spec.validate import integer, number
 from lbt.techniques.base import CommHook, Progress, Technique
 
+B_SIMPLE = "gns/b_simple"  # the metric and curve B_simple is logged under (result.json, TensorBoard)
 
 def finite_population_factor(batch: float, population: float | None) -> float:
     """Variance factor of a batch mean drawn without replacement: (N - B) / ((N - 1) B); 1/B if N is None."""
@@ -73,7 +74,7 @@ class NoiseScaleEstimator:
         if self.weight == 0:
             return {}
         return {"gns/grad_sq": self.grad_sq / self.weight, "gns/trace": self.trace / self.weight,
-                "gns/b_simple": self.b_simple}
+                B_SIMPLE: self.b_simple}
 
 
 def grad_sq_norm(model: nn.Module) -> torch.Tensor:
@@ -192,7 +193,7 @@ class GradientNoiseScale(Technique):
         return self.estimator.state()
 
     def curves(self) -> dict[str, list[list[float]]]:
-        return {"gns/b_simple": list(self.curve)}
+        return {B_SIMPLE: list(self.curve)}
 
     def state_dict(self) -> dict:
         e = self.estimator

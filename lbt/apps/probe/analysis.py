@@ -14,6 +14,7 @@ from lbt.apps.probe.settings import ProbeSettings
 from lbt.metrics import branches as rules
 from lbt.metrics.critical import b_simple_undefined, crossing_step, run_optimizer
 from lbt.spec.result import ResultError, RunResult, read_result
+from lbt.techniques.gns import B_SIMPLE
 
 PROBE_VERSION = 1
 
@@ -42,23 +43,15 @@ def value_of(result: RunResult, settings: ProbeSettings) -> float:
     return float(getattr(result, f"final_{settings.metric}"))
 
 
-def branch_verdicts(folder: Path, plan: ProbePlan, settings: ProbeSettings, at: int,
-                    factors: list[int]) -> dict[int, bool]:
-    """Factor -> whether its branch (base seed) stayed within tolerance of k=1's, for those finished."""
-    ones = [branch_result(folder, plan, at, 1, seed) for seed in plan.seeds]
-    if ones[0] is None:
-        return {}
-    reference = rules.reference_value([value_of(r, settings) for r in ones if r is not None])
-    verdicts = {}
-    for factor in factors:
-        result = ones[0] if factor == 1 else branch_result(folder, plan, at, factor, plan.seeds[0])
-        if result is not None:
-            value = value_of(result, settings)
-            gap = rules.shortfall(value, reference, settings.criterion)
-            # k=1 is the reference: it only has to have trained (a diverged one closes the checkpoint).
-            held = math.isfinite(reference) and gap <= settings.within
-            verdicts[factor] = math.isfinite(value) if factor == 1 else held
-    return verdicts
+def verdicts(point: dict[str, Any], settings: ProbeSettings) -> dict[int, bool]:
+    """Factor -> whether its branch (base seed) stayed within tolerance of the k=1 branches, from
+    `checkpoint_numbers`; k=1 is the reference and only has to have trained (a diverged one closes the
+    checkpoint)."""
+    passed = {int(k): gap <= settings.within for k, gap in point["shortfalls"].items()}
+    reference = next((b for b in point["branches"] if b["factor"] == 1 and b["seed"] == point["base_seed"]), None)
+    if reference is not None:
+        passed[1] = math.isfinite(reference["value"])
+    return passed
 
 
 def analyse(folder: Path, plan: ProbePlan, settings: ProbeSettings, base_dir: Path) -> dict[str, Any]:
@@ -115,7 +108,7 @@ def checkpoint_numbers(folder: Path, plan: ProbePlan, settings: ProbeSettings, a
     curve = [(0.0, start.loss if start else math.inf)] + (reference["curve"] if reference else [])
     ratios = {r["factor"]: rules.samples_ratio(curve, r["loss"], r["samples"], r["factor"])
               for r in records if r["seed"] == plan.seeds[0] and reference is not None}
-    return {"samples": at, "fraction": at / plan.budget,
+    return {"samples": at, "fraction": at / plan.budget, "base_seed": plan.seeds[0],
             "start": {"loss": start.loss, "acc": start.acc} if start else None,
             "noise_floor": floor, "reference": level, "branches": records,
             "shortfalls": {str(k): v for k, v in gaps.items()},
@@ -132,7 +125,7 @@ def b_simple_between(base: RunResult, start: int, end: int) -> float | str:
     undefined = b_simple_undefined(run_optimizer(base.config))
     if undefined:
         return undefined
-    curve = (base.technique_curves or {}).get("gns/b_simple") or []
+    curve = (base.technique_curves or {}).get(B_SIMPLE) or []
     values = [b for samples, b in curve if start < samples <= end and math.isfinite(b)]
     if not values:
         return "not measured (add measure=[gns] with dist.world_size >= 2)" if not curve else "no point here"

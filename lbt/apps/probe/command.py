@@ -27,7 +27,7 @@ from pathlib import Path
 
 from lbt.apps.compose import compose
 from lbt.apps.errors import fail
-from lbt.apps.probe.analysis import analyse, branch_dir, branch_done, branch_verdicts
+from lbt.apps.probe.analysis import analyse, branch_dir, branch_done, checkpoint_numbers, verdicts
 from lbt.apps.probe.output import write_outputs
 from lbt.apps.probe.plan import SWEEP_SEEDS, ProbePlan, make_plan
 from lbt.apps.probe.settings import ProbeSettings, split_args
@@ -194,9 +194,11 @@ def run_branches(folder: Path, plan: ProbePlan, settings: ProbeSettings, overrid
                "trainer.log_every=1", "trainer.progress=false", f"hydra.sweep.dir={folder.resolve()}/branches",
                "hydra/hydra_logging=disabled", "hydra/job_logging=disabled",
                "hydra.sweep.subdir=at${trainer.branch_at}_w${dist.world_size}_seed${trainer.seed}"]
+    base_result = read_result(base)
     for factor in plan.factors:
         seeds = plan.seeds if factor == 1 else plan.seeds[:1]
-        open_points = [c for c in plan.checkpoints if factor == 1 or still_open(folder, plan, settings, c, factor)]
+        open_points = [c for c in plan.checkpoints if factor == 1
+                       or still_open(checkpoint_numbers(folder, plan, settings, c, base_result), settings, factor)]
         for seed in seeds:
             todo = [c for c in open_points if not branch_done(folder, plan, c, factor, seed)]
             if not todo:
@@ -211,12 +213,12 @@ def run_branches(folder: Path, plan: ProbePlan, settings: ProbeSettings, overrid
                 fail(f"branches did not finish (stopped?); continue the probe with: {again}")
 
 
-def still_open(folder: Path, plan: ProbePlan, settings: ProbeSettings, at: int, factor: int) -> bool:
+def still_open(point: dict, settings: ProbeSettings, factor: int) -> bool:
     """A checkpoint stays open until two factors in a row failed (or its k=1 branch did)."""
-    verdicts = branch_verdicts(folder, plan, settings, at, [k for k in plan.factors if k < factor])
-    if verdicts.get(1) is False:
+    passed = {k: ok for k, ok in verdicts(point, settings).items() if k < factor}
+    if passed.get(1) is False:
         return False
-    tried = [verdicts[k] for k in sorted(verdicts) if k > 1]
+    tried = [passed[k] for k in sorted(passed) if k > 1]
     return not (len(tried) >= 2 and not tried[-1] and not tried[-2])
 
 

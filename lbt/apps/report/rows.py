@@ -17,9 +17,9 @@ from lbt.apps.report.jobs import Job, is_baseline
 from lbt.metrics.critical import b_simple_undefined, crossing_step, gns_summary, run_optimizer
 from lbt.metrics.spread import mean_std
 from lbt.spec.objective import ACC, Metric
+from lbt.techniques.gns import B_SIMPLE
 
 GNS_WINDOW = 0.2  # B_simple is summarised over this last fraction of training
-B_SIMPLE = "gns/b_simple"  # the technique curve the gradient noise scale is logged under
 
 
 @dataclass
