@@ -61,6 +61,13 @@ def straight(tmp_path_factory) -> Path:
     return run_dir
 
 
+def interrupted(straight: Path, tmp_path: Path) -> Path:
+    """The straight run as if killed after its last checkpoint (step 12): its checkpoints, no result."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir, ignore=shutil.ignore_patterns("result.json", "final_model.pt"))
+    return run_dir
+
+
 def test_the_last_two_checkpoints_are_kept_each_with_a_manifest(straight):
     assert step_folders(straight) == ["step_12", "step_8"]  # epochs 2 and 3; step_4 pruned
     manifest = json.loads((straight / "checkpoint" / "step_12" / "manifest.json").read_text())
@@ -99,8 +106,7 @@ def test_a_write_failing_part_way_leaves_the_previous_checkpoint_usable(straight
 
 
 def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(straight, tmp_path, capfd):
-    run_dir = tmp_path / "run"
-    shutil.copytree(straight, run_dir)
+    run_dir = interrupted(straight, tmp_path)
     newest = run_dir / "checkpoint" / "step_12" / "rank0.pt"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated by a bad disk
     capfd.readouterr()
@@ -115,8 +121,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(straight, tmp_
 
 
 def test_no_intact_checkpoint_is_one_error_and_nothing_changes(straight, tmp_path):
-    run_dir = tmp_path / "run"
-    shutil.copytree(straight, run_dir)
+    run_dir = interrupted(straight, tmp_path)
     for step in (8, 12):
         (run_dir / "checkpoint" / f"step_{step}" / "rank0.pt").write_bytes(b"garbage")
     before = snapshot(run_dir)
@@ -126,8 +131,7 @@ def test_no_intact_checkpoint_is_one_error_and_nothing_changes(straight, tmp_pat
 
 
 def test_resuming_with_another_runs_config_names_the_keys_and_changes_nothing(straight, tmp_path):
-    run_dir = tmp_path / "run"
-    shutil.copytree(straight, run_dir)
+    run_dir = interrupted(straight, tmp_path)
     before = snapshot(run_dir)
     with pytest.raises(ConfigError) as error:
         train(run_dir, RUN + ["trainer.resume=auto", "dist.world_size=2", "optim.lr=0.2"])
@@ -146,8 +150,7 @@ def test_a_run_may_be_extended_on_resume(straight, tmp_path):
 
 
 def test_a_fresh_start_over_a_checkpoint_is_refused(straight, tmp_path):
-    run_dir = tmp_path / "run"
-    shutil.copytree(straight, run_dir)
+    run_dir = interrupted(straight, tmp_path)
     before = snapshot(run_dir)
     with pytest.raises(ConfigError, match=r"already holds a checkpoint \(step 12\); continue that run with "
                                           r"trainer.resume=auto, or start this one in another folder"):

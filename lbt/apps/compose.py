@@ -23,6 +23,7 @@ from typing import Any, List, Optional, Union
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue
 
@@ -108,6 +109,26 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_dir: str | Path 
         raise ConfigError(one_line(error)) from None
     assert isinstance(config, dict)
     return Composed({str(k): v for k, v in config.items()}, str(recipe))
+
+
+def sweep_settings(overrides: list[str] | tuple[str, ...] = (), config_name: str = "config") -> dict[str, Any]:
+    """Hydra's own settings for `lbt train -m OVERRIDES`: `params` (the sweeper's grid, as `key: values`
+    strings), `launcher` (its config, unresolved) and `sweep_dir`."""
+    register_schemas()
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except Exception as error:
+        raise ConfigError(one_line(error)) from None
+    plain = [o.input_line for o in parsed if not o.is_sweep_override()]  # one job's config says the sweep's
+    with initialize_config_dir(str(conf_dir()), version_base="1.3", job_name="lbt_sweep"):
+        try:
+            hydra_node = hydra_compose(config_name, overrides=plain, return_hydra_config=True).hydra
+        except Exception as error:
+            raise ConfigError(one_line(error)) from None
+        params = OmegaConf.to_container(hydra_node.sweeper.get("params") or {}, resolve=False)
+        launcher = OmegaConf.to_container(hydra_node.launcher, resolve=False)
+    assert isinstance(params, dict) and isinstance(launcher, dict)
+    return {"params": {str(k): str(v) for k, v in params.items()}, "launcher": launcher}
 
 
 def composed_without(overrides: list[str], config_name: str, error: BaseException,

@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import NoReturn
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from lbt.apps.compose import compose
+from lbt.apps.compose import compose, sweep_settings
 from lbt.apps.errors import fail
-from lbt.apps.report.cli import REPORT_FLAGS, report_command, report_options
+from lbt.apps.estimate import duration, run_samples, timed_rate
+from lbt.apps.report import write_report
+from lbt.apps.report.cli import REPORT_FLAGS, report_options
+from lbt.apps.study_folder import STUDY_ENV, STUDY_PID, StudyJob, StudyRecord, claim, grid_jobs
 from lbt.apps.train import check_sweep, train_command
+from lbt.engine import make_spec
+from lbt.engine.stop import STOP_FILE, ask_stop, stop_asked
 from lbt.errors import ConfigError
+from lbt.metrics.text_log import CONSOLE
 
 STUDY_HELP = """usage: lbt study [overrides]
 
@@ -24,6 +35,10 @@ declares, then writes its report (report.md, PNG curves, summary.json, tb_summar
   lbt study trainer.epochs=3 trainer.seed=0,1   any `lbt train` override applies to every job
   lbt study hydra.sweep.dir=runs/study/mine  where it goes (default runs/study/<date>_<time>)
   lbt study hydra/launcher=slurm             on a cluster (README: Launchers)
+  lbt study -v                               every job's whole log on the terminal too (else in its train.log)
+
+Ctrl-C stops every job at its next log step with a checkpoint; the same command continues the study
+in its folder (finished jobs are kept as they are, stopped ones resume exactly, missing ones run).
 
 Then `lbt report DIR --target 0.95` re-reads the folder with another accuracy target
 (`--metric loss --target 2.1`: a loss target, lower is better).
@@ -31,10 +46,18 @@ Then `lbt report DIR --target 0.95` re-reads the folder with another accuracy ta
 
 
 def study_command(args: list[str]) -> None:
-    """A study is a Hydra multirun (conf/study/*.yaml), any extra grids of it, then its report."""
+    """A study is a Hydra multirun (conf/study/*.yaml), any extra grids of it, then its report.
+
+    Its folder holds one study (study.json): the same command continues it there, finished jobs kept
+    as they are, stopped ones resumed from their checkpoints (every job runs with trainer.resume=auto).
+    Ctrl-C or SIGTERM stops every job at its next log step with a checkpoint, starts none, writes no
+    answer, and exits 130 or 143.
+    """
     if any(a in ("-h", "--help") for a in args):
         print(STUDY_HELP)
         return
+    verbose = any(a in ("-v", "--verbose") for a in args)
+    args = [a for a in args if a not in ("-v", "--verbose")]
     report_args, args = report_flags(args)
     if not any(a.startswith("study=") for a in args):
         args = ["study=default", *args]
@@ -45,16 +68,137 @@ def study_command(args: list[str]) -> None:
     if sweep_dir is None:
         sweep_dir = f"runs/study/{time.strftime('%Y-%m-%d_%H-%M-%S')}"
         args = [*args, f"hydra.sweep.dir={sweep_dir}"]
+    given = [a for a in args if not a.startswith("study=default")]  # what the user typed, to repeat it
+    if not any(a.startswith("trainer.resume=") for a in args):
+        args = [*args, "trainer.resume=auto"]  # a continued study resumes its stopped jobs, skips finished ones
     grids = extra_sweeps(args)
-    started = time.perf_counter()
-    multirun(args)
     own_args = [a for a in args if not a.startswith("hydra.sweep.dir=")]
-    for name, overrides in grids:
-        print(f"extra sweep {name}: {' '.join(overrides)}", flush=True)
-        multirun([*own_args, *overrides, f"hydra.sweep.dir={sweep_dir}/{name}"])
-    report_command([sweep_dir, *report_args])
+    try:
+        settings = sweep_settings(own_args)
+        record = study_record(own_args, grids, settings["params"])
+        continued = claim(sweep_dir, record)
+    except ConfigError as error:
+        fail(str(error))
+    quiet = [] if verbose else ["hydra/hydra_logging=disabled", "hydra/job_logging=disabled"]
+    started = time.perf_counter()
+    with study_signals(sweep_dir, verbose):
+        say_header(record, sweep_dir, continued, settings["launcher"], grids)
+        multirun([*args, *quiet])
+        for name, overrides in grids:
+            if stop_asked() is None:
+                multirun([*own_args, *overrides, *quiet, f"hydra.sweep.dir={sweep_dir}/{name}"])
+        signum = stop_asked()
+    if signum is not None:
+        exit_stopped(signum, record, sweep_dir, given)
+    say_answer(sweep_dir, report_args)
     check_sweep(sweep_dir)
-    print(f"study finished in {time.perf_counter() - started:.0f} s; report: {Path(sweep_dir).resolve()}/report.md")
+    print(f"study finished in {duration(time.perf_counter() - started)}; report: {Path(sweep_dir).resolve()}/report.md")
+
+
+def say_answer(sweep_dir: str, report_args: list[str]) -> None:
+    """Write the study's report; the terminal gets its key statements (report.md's bold lines), not all of it."""
+    options = report_options([sweep_dir, *report_args])
+    try:
+        write_report(sweep_dir, options.target, options.tolerance, options.network, options.step_ms,
+                     options.metric, options.hybrid_cap)
+    except ConfigError as error:
+        fail(str(error))
+    for line in (Path(sweep_dir) / "report.md").read_text().splitlines():
+        if line.startswith("**"):
+            print(line.replace("**", ""), flush=True)
+
+
+def study_record(args: list[str], grids: list[tuple[str, list[str]]], params: dict[str, str]) -> StudyRecord:
+    """The study's command and every job of its grids, as Hydra will number them."""
+    jobs = grid_jobs(params, args)
+    for name, overrides in grids:
+        jobs += grid_jobs(params, [*args, *overrides], prefix=f"{name}/")
+    return StudyRecord(tuple(args), tuple(jobs))
+
+
+def say_header(record: StudyRecord, sweep_dir: str, continued: bool, launcher: dict, grids: list) -> None:
+    """What will run, where, how, and for about how long (from 20 steps of the first job, timed here)."""
+    jobs = list(record.jobs)
+    left = [job for job in jobs if not (Path(sweep_dir) / job.dir / "result.json").is_file()]
+    main = [job for job in jobs if "/" not in job.dir]
+    axes = " x ".join(f"{key} {n}" for key, n in swept_axes(main).items()) or "one job"
+    extra = "".join(f" + {name} {sum(j.dir.startswith(name + '/') for j in jobs)}" for name, _ in grids)
+    kind, parallel = launcher_name(launcher)
+    print(f"study: {len(jobs)} jobs ({axes}{extra}); launcher {kind}; folder {Path(sweep_dir).resolve()}", flush=True)
+    if continued:
+        print(f"study: continuing: {len(jobs) - len(left)} of {len(jobs)} jobs finished, {len(left)} to run "
+              "(stopped ones resume from their checkpoints)", flush=True)
+    if left and kind != "slurm":
+        spec = make_spec(compose(list(left[0].overrides)).config)
+        rate, samples = timed_rate(spec), run_samples(spec)
+        if samples:
+            seconds = len(left) * samples / rate / parallel
+            print(f"study: about {duration(seconds)} ({len(left)} jobs of about {samples:,} samples at "
+                  f"{rate:,.0f} samples/s, timed here; {parallel} at once); each job's log is its train.log, "
+                  "-v shows them here", flush=True)
+
+
+def swept_axes(jobs: list[StudyJob]) -> dict[str, int]:
+    """The keys whose value differs between jobs, with how many values each takes."""
+    values: dict[str, set[str]] = {}
+    for job in jobs:
+        for override in job.overrides:
+            key, _, value = override.partition("=")
+            values.setdefault(key, set()).add(value)
+    return {key: len(v) for key, v in values.items() if len(v) > 1}
+
+
+def launcher_name(launcher: dict) -> tuple[str, int]:
+    """A Hydra launcher config in a word, and how many jobs it runs at once."""
+    target = str(launcher.get("_target_", ""))
+    if "joblib" in target.lower():
+        n_jobs = launcher.get("n_jobs")
+        parallel = int(n_jobs) if isinstance(n_jobs, int) and n_jobs > 0 else (os.cpu_count() or 1)
+        return f"joblib ({parallel} at once)", parallel
+    if "submitit" in target.lower():
+        return "slurm", int(launcher.get("array_parallelism") or 1)
+    return "basic (one at a time)", 1
+
+
+@contextmanager
+def study_signals(sweep_dir: str, verbose: bool) -> Iterator[None]:
+    """While the study runs: SIGINT/SIGTERM ask every job to stop (lbt/engine/stop.py) instead of killing the
+    study; its jobs know their study and, unless -v, keep their output to their train.log."""
+    folder = Path(sweep_dir).resolve()
+    stop = folder / ".stop"
+    stop.unlink(missing_ok=True)
+    env = {STOP_FILE: str(stop), STUDY_ENV: str(folder), STUDY_PID: str(os.getpid())}
+    if not verbose:
+        env[CONSOLE] = "log"
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda signum, frame: ask_stop(signum)) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        stop.unlink(missing_ok=True)
+
+
+def exit_stopped(signum: int, record: StudyRecord, sweep_dir: str, given: list[str]) -> NoReturn:
+    """A stopped study: no answer, one line with the command that continues it (its folder named), and
+    the exit code of the signal (130 for SIGINT, 143 for SIGTERM)."""
+    done = sum((Path(sweep_dir) / job.dir / "result.json").is_file() for job in record.jobs)
+    again = [a for a in given if not a.startswith("hydra.sweep.dir=")] + [f"hydra.sweep.dir={sweep_dir}"]
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name, signum = "asked to stop", signal.SIGINT
+    print(f"lbt: study stopped ({name}): {done} of {len(record.jobs)} jobs finished, no answer; "
+          f"the same command continues it: lbt study {' '.join(again)}", file=sys.stderr, flush=True)
+    sys.exit(128 + signum)
 
 
 def multirun(args: list[str]) -> None:

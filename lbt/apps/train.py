@@ -11,8 +11,10 @@ import argparse
 import itertools
 import math
 import os
+import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from lbt.apps.compose import Composed, compose, conf_dir, one_line, register_schemas
 from lbt.apps.errors import fail
+from lbt.apps.study_folder import STUDY_PID, job_line, study_of_job
 from lbt.engine import make_spec, run
+from lbt.engine.stop import stop_asked
 from lbt.engine.worker import check_run_folder
 from lbt.errors import ConfigError
 from lbt.parallel import process_group as pg
@@ -148,6 +152,9 @@ def train_command(args: list[str], report_failures: bool = True) -> None:
         # of their own (see lbt.engine.worker._agree_on_run_dir).
         overrides += ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=disabled",
                       "hydra/hydra_logging=disabled"]
+    if options.cfg == "job" and not options.package and not options.config_path:
+        print_job_config(overrides, options.config_dir, options.config_name or "config")
+        return
     sweep_dir = next((o.split("=", 1)[1] for o in overrides if o.startswith("hydra.sweep.dir=")), None)
     if options.multirun and not options.cfg and sweep_dir is None:
         # Named here (as the config's default would), so the sweep's results can be read when it ends.
@@ -157,6 +164,23 @@ def train_command(args: list[str], report_failures: bool = True) -> None:
     hydra_main()
     if options.multirun and not options.cfg and report_failures and sweep_dir is not None:
         check_sweep(sweep_dir)
+
+
+def print_job_config(overrides: list[str], config_dir: str | None, config_name: str) -> None:
+    """`--cfg job`: the job's config, resolved, with the values lbt derives (both batch sizes, world size and
+    processes) filled in where the config leaves them null."""
+    hydra_free = [o for o in overrides if not o.startswith(("hydra.", "hydra/"))]
+    try:
+        composed = compose(hydra_free, config_dir, config_name, job_name="lbt_cfg")
+        layout = make_spec(composed.config, composed.recipe).layout
+    except ConfigError as error:
+        fail(str(error))
+    config = {**composed.config, "trainer": {**composed.config["trainer"], "per_worker_batch": layout.per_worker_batch,
+                                             "global_batch": layout.global_batch},
+              "dist": {**composed.config["dist"], "world_size": layout.world_size, "procs": layout.procs}}
+    print(f"# recipe: {composed.recipe}; derived: world_size={layout.world_size} procs={layout.procs} "
+          f"per_worker_batch={layout.per_worker_batch} global_batch={layout.global_batch}")
+    print(OmegaConf.to_yaml(config), end="")
 
 
 def first_job(overrides: list[str]) -> list[str]:
@@ -189,11 +213,24 @@ def hydra_main(cfg: DictConfig) -> None:
     overrides = list(hydra_cfg.overrides.task)
     config = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(config, dict)
+    study = study_of_job()
+    if sweeping and stop_asked() is not None:
+        return  # its study is stopping: this job does not start (the same command runs it later)
+    if study is not None and os.environ.get(STUDY_PID) != str(os.getpid()):
+        # A launcher's worker process: Ctrl-C reaches the study, which tells its jobs (lbt/engine/stop.py);
+        # a worker killed by it between jobs would take the launcher, and the running jobs, down with it.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+    started, earlier = time.perf_counter(), finished_here(output_dir)
     try:
-        run(make_spec(config, recipe, overrides), output_dir)
+        result = run(make_spec(config, recipe, overrides), output_dir)
+        if result.stopped:  # no result.json: what the job is comes from its config
+            result = replace(failure_result({**config, "overrides": overrides}, recipe, ""), error=None, stopped=True)
+        if study is not None:
+            say_job(study, result, time.perf_counter() - started, hydra_cfg, earlier)
         return
     except (ConfigError, WorkerDied) as error:
-        if str(error):
+        if str(error) and study is None:
             print(f"lbt: error: {error}", file=sys.stderr, flush=True)
         if not sweeping:
             sys.exit(2 if isinstance(error, ConfigError) or not str(error) else 1)
@@ -201,9 +238,31 @@ def hydra_main(cfg: DictConfig) -> None:
     except Exception as error:  # a crash in one job of a sweep must not stop the others
         if not sweeping:
             raise
-        print(f"lbt: job failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        if study is None:
+            print(f"lbt: job failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
         message = f"{type(error).__name__}: {error}"
-    write_result(output_dir, failure_result({**config, "overrides": overrides}, recipe, message))
+    failure = failure_result({**config, "overrides": overrides}, recipe, message)
+    if finished_here(output_dir):
+        # Another run's finished result is never replaced by why this one could not run.
+        print(f"lbt: error: {message}", file=sys.stderr, flush=True)
+        return
+    write_result(output_dir, failure)
+    if study is not None:
+        say_job(study, failure, time.perf_counter() - started, hydra_cfg)
+
+
+def finished_here(run_dir: str) -> bool:
+    """Whether the folder holds a run's finished (not failed) result.json."""
+    try:
+        return not read_result(run_dir).failed if (Path(run_dir) / "result.json").is_file() else False
+    except ResultError:
+        return True  # damaged, but someone's: kept
+
+
+def say_job(study: Path, result: RunResult, seconds: float, hydra_cfg: Any, earlier: bool = False) -> None:
+    """A study's job ends with one line on the terminal (its whole log is in its train.log)."""
+    parallel = int(hydra_cfg.launcher.get("n_jobs") or 1) if "launcher" in hydra_cfg else 1
+    print(job_line(study, result, seconds, parallel, earlier), flush=True)
 
 
 def failure_result(config: dict[str, Any], recipe: str | None, message: str) -> RunResult:

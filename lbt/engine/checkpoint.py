@@ -27,7 +27,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -37,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from lbt.errors import ConfigError
+from lbt.metrics.text_log import say
 from lbt.parallel.process_group import DistContext
 from lbt.parallel.tensor_parallel import full_tensors, load_full_state
 from lbt.paths import atomic_write
@@ -155,7 +155,7 @@ class Checkpointer:
             choice = holder[0]
         if choice is None:
             if self.rank == 0:
-                print(f"lbt: note: no checkpoint in {self.root}; starting from scratch", file=sys.stderr, flush=True)
+                say(f"lbt: note: no checkpoint in {self.root}; starting from scratch", stderr=True)
             return None
         if isinstance(choice, str):  # every rank raises the same error; rank 0 prints it
             raise ConfigError(choice)
@@ -181,12 +181,10 @@ class Checkpointer:
                 for bad in damaged:
                     os.replace(bad, bad.with_name(bad.name + DAMAGED))
                 if damaged:
-                    print(f"lbt: note: moved the damaged checkpoint(s) aside "
-                          f"({', '.join(b.name + DAMAGED for b in damaged)}); resuming from {folder.name}",
-                          file=sys.stderr, flush=True)
+                    say(f"lbt: note: moved the damaged checkpoint(s) aside "
+                        f"({', '.join(b.name + DAMAGED for b in damaged)}); resuming from {folder.name}", stderr=True)
                 return folder.name, manifest
-            print(f"lbt: note: checkpoint {folder} is damaged ({problem}); trying the one before",
-                  file=sys.stderr, flush=True)
+            say(f"lbt: note: checkpoint {folder} is damaged ({problem}); trying the one before", stderr=True)
             damaged.append(folder)
             problems.append(f"{folder.name}: {problem}")
         if damaged:

@@ -21,6 +21,7 @@ The step strategy (lbt/engine/strategies/) may run this step once per worker ins
 from __future__ import annotations
 
 import inspect
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -55,6 +56,8 @@ class LoopState:
     epoch_loss_count: int = 0  # steps x processes in that sum
     allreduces: int = 0  # model-sized allreduces so far (RunResult.allreduces)
     bytes_sent: float = 0.0
+    initial_loss: float = math.nan  # the first step's loss: divergence is a multiple of it
+    high_windows: int = 0  # log windows in a row whose loss exceeded that multiple
 
 
 def wrap_ddp(model: nn.Module) -> DistributedDataParallel:

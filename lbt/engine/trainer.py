@@ -16,6 +16,7 @@ lbt/engine/strategies/base.py.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
@@ -36,10 +37,11 @@ from lbt.engine.checkpoint import (
 from lbt.engine.evaluate import evaluate
 from lbt.engine.precision import Precision, memory_format
 from lbt.engine.step import LoopState, StepRunner
+from lbt.engine.stop import stop_asked
 from lbt.metrics.tensorboard import RunLogger
 from lbt.metrics.text_log import say_once
 from lbt.metrics.timing import StepTimer
-from lbt.metrics.window import TrainWindow
+from lbt.metrics.window import TrainWindow, diverging
 from lbt.parallel.process_group import DistContext, average_buffers
 from lbt.rng import rng_state, set_rng_state
 from lbt.spec.batching import BatchLayout, Budget
@@ -61,6 +63,8 @@ class LoopSettings:
     channels_last: bool = False  # inputs (and the model, lbt/engine/build.py) in channels_last layout
     loader_workers: int = 0  # DataLoader worker processes, for datasets read sample by sample
     snapshot_samples: tuple[int, ...] = ()  # samples seen at which `snapshot` is called (lbt probe's base run)
+    diverge_factor: float | None = 10.0  # a train loss above this x the first step's ... (None: only non-finite)
+    diverge_log_steps: int = 3  # ... for this many log steps in a row ends the run as diverged
 
 
 def evaluation_steps(budget: Budget, evals: int) -> frozenset[int]:
@@ -126,14 +130,17 @@ class Trainer:
             train_loss = self.train_epoch()
             # Training time only: the evaluations inside the epoch count in eval_seconds.
             self.result.train_seconds += time.perf_counter() - epoch_start - (self.result.eval_seconds - evaluating)
-            if self.result.stopped:
+            # A stop asked for at an epoch's last step waits for its evaluation; at the run's last, for its end.
+            whole = self.state.step_in_epoch >= self.budget.steps[self.state.epoch]
+            if (whole or not self.result.stopped) and not self.end_epoch(train_loss):
+                break
+            if self.result.stopped and self.state.step < self.budget.total_steps:
                 self.save_checkpoint()
                 s = self.state
                 self.say(f"stopped at step {s.step} (epoch {s.epoch + 1}, step {s.step_in_epoch} of it); "
                          "checkpoint saved: continue with trainer.resume=auto in the same run folder")
                 return self.result
-            if not self.end_epoch(train_loss):
-                break
+            self.result.stopped = False
         self.finish(started)
         return self.result
 
@@ -187,7 +194,7 @@ class Trainer:
         s = self.state
         # Summed over processes at a cadence every rank agrees on, so all of them
         # see the same loss (and stop request) and act together.
-        window = self.window.close(self.stop_requested, self.ctx, layout.global_batch)
+        window = self.window.close(self.stop_requested or stop_asked() is not None, self.ctx, layout.global_batch)
         self.log.scalars({"train/loss": window.mean_loss, "train/lr": lr, "train/global_batch": layout.global_batch,
                           "perf/samples_per_sec": window.samples_per_sec, **self.timer.window_means(),
                           **self.precision.metrics(), **self.technique_metrics()}, s.step, s.samples_seen)
@@ -196,12 +203,15 @@ class Trainer:
         if bar is not None:
             bar.set_postfix(loss=f"{window.mean_loss:.4f}", acc=f"{local_acc:.3f}",
                             sps=f"{window.samples_per_sec:,.0f}")
-        if not math.isfinite(window.mean_loss) or window.mean_loss > self.diverge_above:
+        if math.isnan(s.initial_loss):
+            s.initial_loss = window.first_loss
+        s.high_windows = diverging(window.mean_loss, s.initial_loss, s.high_windows, self.settings.diverge_factor)
+        if not math.isfinite(window.mean_loss) or s.high_windows >= self.settings.diverge_log_steps \
+                or window.mean_loss > self.diverge_above:
             self.result.diverged = True
             return True
-        # A stop asked for in the epoch's last step waits for the evaluation.
-        self.result.stopped = window.stop and s.step_in_epoch < steps
-        return self.result.stopped
+        self.result.stopped = window.stop
+        return window.stop and s.step_in_epoch < steps
 
     def end_epoch(self, train_loss: float) -> bool:
         """Evaluate, log and maybe checkpoint after an epoch; False when the run diverged."""
@@ -327,6 +337,10 @@ def progress_bar(trainer: Trainer, steps: int) -> Any:
         return None
     from tqdm import tqdm
 
+    if not hasattr(tqdm, "_lock"):
+        # tqdm's default lock holds a multiprocessing semaphore, which a worker process that ends with
+        # os._exit (lbt.engine.worker.exit_worker) leaves to the resource tracker's "leaked" warning.
+        tqdm.set_lock(threading.RLock())
     epochs = sum(1 for n in trainer.budget.steps if n)  # the epochs that take a step (max_steps may end early)
     return tqdm(total=steps, initial=trainer.state.step_in_epoch, desc=f"epoch {trainer.state.epoch + 1}/{epochs}",
                 unit="step", leave=False, dynamic_ncols=True)

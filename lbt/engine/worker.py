@@ -30,6 +30,7 @@ from lbt.engine.build import build_data, build_parts
 from lbt.engine.checkpoint import Checkpointer, full_state, load_snapshot
 from lbt.engine.outcome import finish, print_start
 from lbt.engine.precision import Precision
+from lbt.engine.stop import ask_stop
 from lbt.engine.trainer import LoopSettings, Trainer
 from lbt.errors import ConfigError
 from lbt.metrics.tensorboard import RunLogger
@@ -37,8 +38,8 @@ from lbt.metrics.text_log import say_once, text_log
 from lbt.parallel import launcher
 from lbt.parallel import process_group as pg
 from lbt.parallel.tensor_parallel import device_mesh
-from lbt.spec.result import RunResult, read_result, write_result
-from lbt.spec.run import Launch, RunSpec, build_spec
+from lbt.spec.result import ResultError, RunResult, read_result, write_result
+from lbt.spec.run import Launch, RunSpec, build_spec, identity_differences, run_identity
 from lbt.techniques.base import Technique
 
 
@@ -58,6 +59,10 @@ def run(spec: RunSpec, run_dir: str | Path, techniques: list[Technique] | tuple 
     no result.json; torchrun's ranks other than 0 return an empty result.
     """
     run_dir = str(Path(run_dir).resolve())
+    finished = finished_run(spec, run_dir)
+    if finished is not None:
+        say_once(f"{run_dir} holds this run, finished ({finished.steps:,} steps, result.json): nothing to train")
+        return finished
     env = pg.torchrun_env()
     if env is not None:
         elastic = pg.elastic_restarts()
@@ -127,10 +132,48 @@ def check_backend(backend: str, device: str) -> None:
                           "use dist.backend=auto (gloo on CPU) or gloo")
 
 
+def finished_run(spec: RunSpec, run_dir: str | Path) -> RunResult | None:
+    """The run folder's result.json against this run: a folder belongs to one run, finished or not.
+
+    This run, finished, and asked to resume: its result (nothing to train). Another run's result, or
+    this one's without trainer.resume=auto: a ConfigError, never an overwrite. A failed attempt's
+    result.json (it records an error, no measurement) is left for this run to replace.
+    """
+    path = Path(run_dir).expanduser() / "result.json"
+    if not path.is_file():
+        return None
+    try:
+        saved = read_result(path)
+    except ResultError as error:
+        raise ConfigError(f"{error}; the folder holds a run's result: start this one in another folder") from None
+    if saved.failed:
+        return None
+    differ = identity_differences(run_identity(saved.config, saved.per_worker_batch, saved.global_batch),
+                                  spec.identity()) if saved.config else ["its config (result.json has none)"]
+    if differ:
+        raise ConfigError(f"{path.parent} holds another run's result (it differs in {'; '.join(differ[:3])}"
+                          f"{'; ...' if len(differ) > 3 else ''}): start this one in another folder "
+                          "(hydra.run.dir=...)")
+    if spec.trainer.resume != "auto":
+        raise ConfigError(f"{path.parent} holds this run, finished ({saved.steps:,} steps): nothing to do; "
+                          "to train it again, give another folder (hydra.run.dir=...)")
+    trained = saved.config.get("trainer") or {}
+    if (trained.get("epochs"), trained.get("max_steps")) == (spec.trainer.epochs, spec.trainer.max_steps):
+        return saved
+    # Another budget: the run is extended (or cut) from its newest checkpoint, and its result replaced.
+    if Checkpointer(path.parent, 0, spec.procs).latest() is None:
+        raise ConfigError(f"{path.parent} holds this run, finished with trainer.epochs={trained.get('epochs')} "
+                          f"trainer.max_steps={trained.get('max_steps')} and no checkpoint to continue it from: "
+                          "train the new budget in another folder (hydra.run.dir=...)")
+    return None
+
+
 def check_run_folder(spec: RunSpec, run_dir: str) -> None:
-    """The run folder's checkpoint against this run, before anything is written: a fresh start over a
-    checkpoint, or a resume of another run's, is a ConfigError. The workers check again, with the
-    checksums (`Checkpointer.load_latest`)."""
+    """The run folder against this run, before anything is written: a fresh start over a checkpoint or
+    a finished run, or a resume of another run's, is a ConfigError. The workers check the checkpoint
+    again, with the checksums (`Checkpointer.load_latest`)."""
+    if finished_run(spec, run_dir) is not None:
+        return
     checkpointer = Checkpointer(Path(run_dir).expanduser(), 0, spec.procs, identity=spec.identity())
     if spec.trainer.resume == "auto" or pg.elastic_restarts():  # torchrun restarts resume (see run())
         checkpointer.check_newest_belongs()
@@ -222,7 +265,8 @@ def make_trainer(spec: RunSpec, ctx: pg.DistContext, run_dir: str, local_procs: 
                             fuse_workers=spec.dist.fuse_workers, checkpoint_every=t.checkpoint_every,
                             compile=t.compile, channels_last=t.channels_last,
                             loader_workers=loader_workers(t.loader_workers, local_procs),
-                            snapshot_samples=t.snapshot_samples)
+                            snapshot_samples=t.snapshot_samples, diverge_factor=t.diverge_factor,
+                            diverge_log_steps=t.diverge_log_steps)
     precision = Precision(t.precision, ctx.device.type)
     say_once(f"device={ctx.device} precision={precision.describe()} compile={settings.compile} "
              f"channels_last={settings.channels_last} loader_workers={settings.loader_workers}")
@@ -243,6 +287,7 @@ def stop_on_signals(trainer: Trainer) -> Iterator[None]:
     """SIGTERM (how schedulers preempt) and SIGINT ask the loop to checkpoint and stop cleanly."""
     def request_stop(signum: int, frame: Any) -> None:
         trainer.stop_requested = True
+        ask_stop(signum)  # the study this run is a job of stops too (lbt/engine/stop.py)
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:

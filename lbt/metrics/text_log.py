@@ -23,11 +23,12 @@ LOG.setLevel(logging.INFO)
 LOG.propagate = False  # Hydra's root handlers would print every line a second time
 
 # How much of it the console shows (train.log always gets everything): full; brief (not the resolved
-# config); quiet (a run's closing line and stderr only); silent (stderr only). Set by commands that run
-# many jobs (`lbt probe`): an environment variable, so the processes of Hydra's launchers see it too.
+# config); quiet (a run's closing line and stderr only); silent (stderr only); log (nothing: a study's
+# jobs, which the study sums up in one line each). Set by commands that run many jobs (`lbt probe`,
+# `lbt study`): an environment variable, so the processes of Hydra's launchers see it too.
 CONSOLE = "LBT_RUN_CONSOLE"
 SHOWN = {"full": ("config", "progress", "result"), "brief": ("progress", "result"), "quiet": ("result",),
-         "silent": ()}
+         "silent": (), "log": ()}
 
 
 @contextmanager
@@ -50,7 +51,8 @@ def text_log(run_dir: str | Path | None):
 def say(line: str, stderr: bool = False, kind: str = "progress") -> None:
     """Print a line (stdout, or stderr for warnings and notes) and write it to the run's train.log.
     `kind` (config, progress, result) decides whether the console shows it (see CONSOLE)."""
-    if stderr or kind in SHOWN.get(os.environ.get(CONSOLE, "full"), SHOWN["full"]):
+    level = os.environ.get(CONSOLE, "full")
+    if (stderr and level != "log") or kind in SHOWN.get(level, SHOWN["full"]):
         print(line, file=sys.stderr if stderr else sys.stdout, flush=True)
     LOG.info(line)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import NamedTuple
 
@@ -16,6 +17,7 @@ class WindowStats(NamedTuple):
     count: int  # steps x processes: loss_sum / count is the mean
     stop: bool  # some process was asked to stop (SIGTERM/SIGINT)
     samples_per_sec: float
+    first_loss: float = math.nan  # the window's first step, averaged over processes (a run's initial loss)
 
 
 class TrainWindow:
@@ -44,11 +46,20 @@ class TrainWindow:
     def close(self, stop_requested: bool, ctx: DistContext, global_batch: int) -> WindowStats:
         """Sum the window over processes (every rank calls this at the same step) and start a new one."""
         steps = len(self.losses)
-        totals = torch.tensor([torch.stack(self.losses).sum().item(), steps, float(stop_requested)],
-                              dtype=torch.float64)
+        totals = torch.tensor([torch.stack(self.losses).sum().item(), steps, float(stop_requested),
+                               self.losses[0].item()], dtype=torch.float64)
         all_reduce_sum(totals, ctx)
         loss_sum = totals[0].item()
         samples_per_sec = steps * global_batch / (time.perf_counter() - self.started)
         self.start()
         count = int(totals[1].item())
-        return WindowStats(loss_sum / count, loss_sum, count, totals[2].item() > 0, samples_per_sec)
+        return WindowStats(loss_sum / count, loss_sum, count, totals[2].item() > 0, samples_per_sec,
+                           totals[3].item() * steps / count)
+
+
+def diverging(mean_loss: float, initial_loss: float, high_windows: int, factor: float | None) -> int:
+    """The log windows in a row whose mean loss exceeds `factor` x the run's initial loss, this one included
+    (0 when it does not; a non-finite loss counts as exceeding)."""
+    if not math.isfinite(mean_loss):
+        return high_windows + 1
+    return high_windows + 1 if factor is not None and mean_loss > factor * initial_loss else 0

@@ -51,6 +51,10 @@ class TrainerSpec:
     compile: bool = False
     channels_last: bool = False
     loader_workers: int | None = None
+    # A run diverged when its train loss is not finite, or exceeds diverge_factor x its first step's loss
+    # for diverge_log_steps log steps in a row (null factor: only a non-finite loss); it stops then.
+    diverge_factor: float | None = 10.0
+    diverge_log_steps: int = 3
     # lbt probe (lbt/apps/probe): the base run saves its whole state at these samples seen, which does not
     # change the run; a branch starts from such a snapshot of the run in `branch_from` at `branch_at` samples,
     # trains `branch_samples` more at its own batch, and stops early (diverged) when its train loss passes
@@ -85,6 +89,9 @@ class TrainerSpec:
             integer("trainer.branch_at", self.branch_at)
             integer("trainer.branch_samples", self.branch_samples)
         number("trainer.branch_diverge", self.branch_diverge, low=1, low_open=True)
+        if self.diverge_factor is not None:
+            number("trainer.diverge_factor", self.diverge_factor, low=1, low_open=True)
+        integer("trainer.diverge_log_steps", self.diverge_log_steps, 1, 1000)
         return self
 
 

@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,12 +26,13 @@ from pathlib import Path
 
 from lbt.apps.compose import compose
 from lbt.apps.errors import fail
+from lbt.apps.estimate import duration, timed_rate
 from lbt.apps.probe.analysis import analyse, branch_dir, branch_done, checkpoint_numbers, verdicts
 from lbt.apps.probe.output import write_outputs
 from lbt.apps.probe.plan import SWEEP_SEEDS, ProbePlan, make_plan
 from lbt.apps.probe.settings import ProbeSettings, split_args
 from lbt.apps.train import train_command
-from lbt.engine import make_spec, run
+from lbt.engine import make_spec
 from lbt.engine.build import build_data
 from lbt.errors import ConfigError
 from lbt.metrics.text_log import CONSOLE
@@ -144,18 +144,6 @@ def say_cost(spec: RunSpec, plan: ProbePlan, folder: Path) -> None:
           f"{len(plan.factors)} world sizes x {SWEEP_SEEDS} seeds, {plan.sweep_samples:,} samples); "
           f"about {duration(most / rate)} at {rate:,.0f} samples/s measured here (less when branches "
           f"stop early or are pruned); folder {folder.resolve()}", flush=True)
-
-
-def duration(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
-
-
-def timed_rate(spec: RunSpec) -> float:
-    """Samples per second of the base run on this machine, from 20 steps of it (one epoch at most)."""
-    quick = spec.with_trainer(max_steps=20, evals=0, checkpoint_every=0, progress=False)
-    with tempfile.TemporaryDirectory(prefix="lbt-probe-timing-") as scratch:
-        result = run(quick, scratch)
-    return max(result.samples_per_sec, 1.0)
 
 
 def run_base(folder: Path, plan: ProbePlan, overrides: list[str], again: str) -> Path:

@@ -1,0 +1,135 @@
+"""A study is one thing you can stop and continue (DESIGN.md "A study is one thing"); a run folder belongs to one run.
+
+Ctrl-C stops every job with a checkpoint and gives no answer; the same command continues the study to
+the parameters of an uninterrupted one, never rerunning or rewriting a finished job; another grid
+in the same folder is refused. A diverged run is caught before its loss is NaN and stops early.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import lbt_cli, train
+
+from lbt.apps.study_folder import StudyJob, StudyRecord, claim, expected_jobs, grid_jobs
+from lbt.errors import ConfigError
+
+# Long enough (about 5 s a job on 2 cores) for Ctrl-C to land mid-run; BN-free, so resumes are bitwise.
+STUDY = ["study", "model=mlp", "data=synthetic", "recipe=baseline,lars", "dist.world_size=1,4", "trainer.epochs=400"]
+
+
+def test_grid_jobs_number_the_jobs_as_hydras_basic_sweeper_does():
+    jobs = grid_jobs({"recipe": "baseline,lars", "dist.world_size": "1,16"}, ["dist.world_size=1,4", "model=mlp"])
+    assert [j.dir for j in jobs] == ["0", "1", "2", "3"]
+    # The command line's sweep replaces the config's values in the config's place; the rest follow.
+    assert jobs[1].overrides == ("recipe=baseline", "dist.world_size=4", "model=mlp")
+    assert grid_jobs({}, ["trainer.seed=1,2"], prefix="seeds/")[1] == StudyJob("seeds/1", ("trainer.seed=2",))
+
+
+def test_a_folder_holds_one_study(tmp_path):
+    mine = StudyRecord(("recipe=baseline",), (StudyJob("0", ("recipe=baseline",)),))
+    assert claim(tmp_path / "s", mine) is False
+    assert claim(tmp_path / "s", mine) is True  # the same command: a continued study
+    assert expected_jobs(tmp_path / "s") == list(mine.jobs)
+    other = StudyRecord(("recipe=lars",), (StudyJob("0", ("recipe=lars",)),))
+    with pytest.raises(ConfigError, match="holds another study .*recipe=baseline.*recipe=lars"):
+        claim(tmp_path / "s", other)
+    (tmp_path / "sweep" / "0").mkdir(parents=True)
+    (tmp_path / "sweep" / "0" / "result.json").write_text("{}")
+    with pytest.raises(ConfigError, match="holds results of another sweep"):
+        claim(tmp_path / "sweep", mine)
+
+
+def test_a_run_folder_belongs_to_one_run(tmp_path):
+    run_dir = tmp_path / "run"
+    tiny = ["model=mlp", "trainer.epochs=1"]
+    first = train(run_dir, tiny)
+    before = (run_dir / "result.json").read_bytes()
+    with pytest.raises(ConfigError, match="holds another run's result .*dist.world_size"):
+        train(run_dir, [*tiny, "dist.world_size=4"])
+    with pytest.raises(ConfigError, match="holds this run, finished"):
+        train(run_dir, tiny)
+    # Resuming a finished run trains nothing and says so.
+    assert train(run_dir, [*tiny, "trainer.resume=auto"])["steps"] == first["steps"]
+    assert (run_dir / "result.json").read_bytes() == before
+    refused = lbt_cli(["train", "data=synthetic", *tiny, "dist.world_size=4", f"hydra.run.dir={run_dir}"], tmp_path)
+    assert refused.returncode == 2 and refused.stderr.count("lbt: error:") == 1, refused.stderr
+    assert "another run's result" in refused.stderr and (run_dir / "result.json").read_bytes() == before
+
+
+def test_a_loss_far_above_its_start_is_divergence_and_stops_the_run(tmp_path):
+    # lr=30 sends the loss to 1e24 within the epoch, finite: only a NaN check calls that run trained.
+    tiny = ["model=mlp", "optim.lr=30", "schedule=constant", "trainer.epochs=1", "trainer.log_every=1"]
+    assert train(tmp_path / "nan_only", [*tiny, "trainer.diverge_factor=null"])["diverged"] is False
+    result = train(tmp_path / "run", tiny)  # the default rule: 10x the first step's loss, 3 log steps in a row
+    assert result["diverged"] is True
+    assert result["steps"] < 8  # stopped early: the epoch is 8 steps
+
+
+def test_divergence_rule_counts_log_steps_in_a_row():
+    from lbt.metrics.window import diverging
+
+    high = 0
+    for loss in (2.0, 30.0, 30.0, 2.0, 30.0):
+        high = diverging(loss, 2.3, high, 10.0)
+    assert high == 1  # a dip resets the count
+    assert diverging(float("inf"), 2.3, 0, None) == 1 and diverging(1e30, 2.3, 0, None) == 0
+
+
+def _start_study(folder: Path, cwd: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "lbt", *STUDY, f"hydra.sweep.dir={folder}"], cwd=cwd, env=env,
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _final_models(folder: Path) -> dict[str, dict]:
+    return {job.dir: torch.load(folder / job.dir / "final_model.pt", weights_only=True)
+            for job in expected_jobs(folder)}
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_study_and_the_same_command_continues_it_exactly(tmp_path):
+    folder = tmp_path / "study"
+    study = _start_study(folder, tmp_path)
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(folder.glob("*/events.out.tfevents.*")):
+        time.sleep(0.2)
+    time.sleep(1.5)
+    os.killpg(study.pid, signal.SIGINT)  # what Ctrl-C sends: the whole process group
+    out, err = study.communicate(timeout=120)
+    assert study.returncode == 130, err
+    assert "Answer" not in out and not (folder / "report.md").exists()
+    assert err.count("lbt: study stopped (SIGINT)") == 1 and f"hydra.sweep.dir={folder}" in err
+    assert len(out.splitlines()) <= 8 and "stopped, checkpoint saved" in out  # a header, one line per job
+    finished = {p.parent.name: p.read_bytes() for p in folder.glob("*/result.json")}
+    assert len(finished) < 4
+
+    again = lbt_cli([*STUDY, f"hydra.sweep.dir={folder}"], tmp_path, timeout=600)
+    assert again.returncode == 0, again.stderr
+    assert "continuing" in again.stdout and "Answer: up to" in again.stdout
+    assert {name: (folder / name / "result.json").read_bytes() for name in finished} == finished
+
+    uninterrupted = tmp_path / "whole"
+    whole = lbt_cli([*STUDY, f"hydra.sweep.dir={uninterrupted}"], tmp_path, timeout=600)
+    assert whole.returncode == 0, whole.stderr
+    resumed, reference = _final_models(folder), _final_models(uninterrupted)
+    assert resumed.keys() == reference.keys() and len(resumed) == 4
+    for job, state in reference.items():
+        assert all(torch.equal(state[k], resumed[job][k]) for k in state), job
+
+    # Run once more: every job finished earlier, nothing is rewritten.
+    results = {p: p.read_bytes() for p in folder.glob("*/result.json")}
+    rerun = lbt_cli([*STUDY, f"hydra.sweep.dir={folder}"], tmp_path, timeout=600)
+    assert rerun.returncode == 0 and rerun.stdout.count("finished earlier") == 4, rerun.stdout
+    assert {p: p.read_bytes() for p in results} == results
+    # Another grid into the same folder is refused, naming what differs.
+    other = lbt_cli([*STUDY[:3], "recipe=baseline", *STUDY[4:], f"hydra.sweep.dir={folder}"], tmp_path)
+    assert other.returncode == 2 and "holds another study (it has recipe=lars)" in other.stderr
+    summary = json.loads((folder / "summary.json").read_text())
+    assert len(summary["jobs"]) == 4
