@@ -1,11 +1,17 @@
-"""Writing a file atomically: results, checkpoints and data caches are published whole."""
+"""Writing a file atomically (results, checkpoints and data caches are published whole), and a folder's lock."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Callable
+
+from lbt.errors import ConfigError
 
 
 def atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
@@ -27,3 +33,31 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+class FolderInUse(ConfigError):
+    """Another live process holds the folder's lock; the message names it."""
+
+
+@contextmanager
+def folder_lock(folder: str | Path) -> Iterator[None]:
+    """Hold `folder`'s lock while the block runs: a second process asking for it fails at once.
+
+    An OS file lock (flock) on `<folder>/.lock`, so the kernel releases it however the holder ends,
+    a kill -9 included: a lock left by a dead process is never in the way. The file says who holds
+    it (pid and command), for the message the second process gets.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
+            raise FolderInUse(f"{folder} is in use by {holder}: wait for it to end, or use another folder") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} ({' '.join(sys.argv)[:300]})\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

@@ -91,7 +91,7 @@ def test_lars_rows_say_b_simple_is_not_defined(study):
     assert rows[("lars", 4096)]["b_simple"] is None and rows[("lars", 4096)]["optimizer"] == "LARS"
     assert rows[("baseline", 64)]["b_simple"] == 158.0
     report = (folder / "report.md").read_text()
-    assert "| 4,096 | 64 | 1 | 0.9720 |" in report and "| not defined for LARS |" in report
+    assert "| 4,096 | 64 | 1 | 97.20 |" in report and "| not defined for LARS |" in report
 
 
 def test_b_simple_is_not_defined_for_an_optimizer_whose_step_is_not_the_gradient(tmp_path):

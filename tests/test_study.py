@@ -70,8 +70,8 @@ def test_no_val_named_number_holds_test_data(study):
         assert row["split"] == "val" and row["final_acc"] == result["final_val_acc"]
         assert row["test_acc"] == result["test_acc"]
         # report.md: the final val column holds val, the test column test
-        assert f"| {job['global_batch']:,} | {job['world_size']} | 1 | {result['final_val_acc']:.4f} | " in report
-        assert f"| {result['test_acc']:.4f} |" in report
+        assert f"| {job['global_batch']:,} | {job['world_size']} | 1 | {100 * result['final_val_acc']:.2f} | " in report
+        assert f"| {100 * result['test_acc']:.2f} |" in report  # accuracy in percent, as everywhere in the report
         # TensorBoard: study/<recipe>/val_acc and test_acc, and the job's own val/ and test/ tags
         val = {e.step: e.value for e in events.Scalars(f"study/{job['recipe']}/val_acc")}
         test = {e.step: e.value for e in events.Scalars(f"study/{job['recipe']}/test_acc")}
@@ -184,7 +184,7 @@ def test_report_averages_seeds_with_their_spread(tmp_path):
     # B_simple: each run's median over its last 20% of training (its last point), median over the baseline rows
     assert summary["critical_batch"]["gns"] == pytest.approx(101.5)
     report = (tmp_path / "report.md").read_text()
-    assert "| 32 | 1 | 2 | 0.9200 ± 0.0283 |" in report and "| 256 | 8 | 2 | 0.7200 ± 0.0283 |" in report
+    assert "| 32 | 1 | 2 | 92.00 ± 2.83 |" in report and "| 256 | 8 | 2 | 72.00 ± 2.83 |" in report
     events = EventAccumulator(str(tmp_path / "tb_summary"))
     events.Reload()
     assert [(e.step, round(e.value, 4)) for e in events.Scalars("study/baseline/val_acc")] == [(32, 0.92), (256, 0.72)]

@@ -133,3 +133,20 @@ def test_ctrl_c_stops_a_study_and_the_same_command_continues_it_exactly(tmp_path
     assert other.returncode == 2 and "holds another study (it has recipe=lars)" in other.stderr
     summary = json.loads((folder / "summary.json").read_text())
     assert len(summary["jobs"]) == 4
+
+
+def test_two_commands_on_one_run_folder_one_runs_the_other_is_refused_naming_it(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-m", "lbt", "train", "model=mlp", "data=synthetic", "trainer.epochs=300",
+               "trainer.progress=false", f"hydra.run.dir={run_dir}"]
+    first = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not ((run_dir / ".lock").is_file() and (run_dir / ".lock").read_text()):
+        time.sleep(0.1)
+    second = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err
+    assert second.returncode == 2 and second.stderr.count("lbt: error:") == 1, second.stderr
+    assert f"is in use by pid {first.pid}" in second.stderr
+    assert json.loads((run_dir / "result.json").read_text())["steps"] == 300 * 8

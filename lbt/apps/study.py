@@ -7,7 +7,8 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
@@ -24,6 +25,7 @@ from lbt.engine import make_spec
 from lbt.engine.stop import STOP_FILE, ask_stop, stop_asked
 from lbt.errors import ConfigError
 from lbt.metrics.text_log import CONSOLE
+from lbt.paths import folder_lock
 
 STUDY_HELP = """usage: lbt study [overrides]
 
@@ -45,6 +47,19 @@ Then `lbt report DIR --target 0.95` re-reads the folder with another accuracy ta
 """
 
 
+@dataclass(frozen=True)
+class StudyCommand:
+    """`lbt study ARGS` read: the overrides each grid runs with, the study's folder and report options."""
+
+    args: list[str]  # the main grid's, with the folder and trainer.resume=auto
+    own_args: list[str]  # the same without the folder (each extra grid adds its own)
+    given: list[str]  # what the user typed, to repeat it in the command that continues the study
+    grids: list[tuple[str, list[str]]]  # the extra grids: (name, overrides)
+    sweep_dir: str
+    report_args: list[str]
+    verbose: bool
+
+
 def study_command(args: list[str]) -> None:
     """A study is a Hydra multirun (conf/study/*.yaml), any extra grids of it, then its report.
 
@@ -56,41 +71,54 @@ def study_command(args: list[str]) -> None:
     if any(a in ("-h", "--help") for a in args):
         print(STUDY_HELP)
         return
+    if any(a in ("--cfg", "-c") or a.startswith("--cfg=") for a in args):
+        # The composed config of the study's first job (and Hydra's), nothing run.
+        args = [a for a in report_flags(args)[1] if a not in ("-v", "--verbose")]
+        train_command(args if any(a.startswith("study=") for a in args) else ["study=default", *args])
+        return
+    command = read_command(args)
+    with ExitStack() as held:
+        try:
+            settings = sweep_settings(command.own_args)
+            record = study_record(command.own_args, command.grids, settings["params"])
+            held.enter_context(folder_lock(command.sweep_dir))  # two commands on one study: the second is refused
+            continued = claim(command.sweep_dir, record)
+        except ConfigError as error:
+            fail(str(error))
+        run_study(command, record, continued, settings["launcher"])
+
+
+def read_command(args: list[str]) -> StudyCommand:
     verbose = any(a in ("-v", "--verbose") for a in args)
     args = [a for a in args if a not in ("-v", "--verbose")]
     report_args, args = report_flags(args)
     if not any(a.startswith("study=") for a in args):
         args = ["study=default", *args]
-    if any(a in ("--cfg", "-c") or a.startswith("--cfg=") for a in args):
-        train_command(args)  # the composed config of the study's first job (and Hydra's), nothing run
-        return
     sweep_dir = next((a.split("=", 1)[1] for a in args if a.startswith("hydra.sweep.dir=")), None)
     if sweep_dir is None:
         sweep_dir = f"runs/study/{time.strftime('%Y-%m-%d_%H-%M-%S')}"
         args = [*args, f"hydra.sweep.dir={sweep_dir}"]
-    given = [a for a in args if not a.startswith("study=default")]  # what the user typed, to repeat it
+    given = [a for a in args if not a.startswith("study=default")]
     if not any(a.startswith("trainer.resume=") for a in args):
         args = [*args, "trainer.resume=auto"]  # a continued study resumes its stopped jobs, skips finished ones
-    grids = extra_sweeps(args)
     own_args = [a for a in args if not a.startswith("hydra.sweep.dir=")]
-    try:
-        settings = sweep_settings(own_args)
-        record = study_record(own_args, grids, settings["params"])
-        continued = claim(sweep_dir, record)
-    except ConfigError as error:
-        fail(str(error))
-    quiet = [] if verbose else ["hydra/hydra_logging=disabled", "hydra/job_logging=disabled"]
-    started = time.perf_counter()
-    with study_signals(sweep_dir, verbose):
-        say_header(record, sweep_dir, continued, settings["launcher"], grids)
-        multirun([*args, *quiet])
-        for name, overrides in grids:
+    return StudyCommand(args, own_args, given, extra_sweeps(args), sweep_dir, report_args, verbose)
+
+
+def run_study(command: StudyCommand, record: StudyRecord, continued: bool, launcher: dict) -> None:
+    """The study's grids, one after another, then its answer; stopped by a signal: no answer."""
+    quiet = [] if command.verbose else ["hydra/hydra_logging=disabled", "hydra/job_logging=disabled"]
+    started, sweep_dir = time.perf_counter(), command.sweep_dir
+    with study_signals(sweep_dir, command.verbose):
+        say_header(record, sweep_dir, continued, launcher, command.grids)
+        multirun([*command.args, *quiet])
+        for name, overrides in command.grids:
             if stop_asked() is None:
-                multirun([*own_args, *overrides, *quiet, f"hydra.sweep.dir={sweep_dir}/{name}"])
+                multirun([*command.own_args, *overrides, *quiet, f"hydra.sweep.dir={sweep_dir}/{name}"])
         signum = stop_asked()
     if signum is not None:
-        exit_stopped(signum, record, sweep_dir, given)
-    say_answer(sweep_dir, report_args)
+        exit_stopped(signum, record, sweep_dir, command.given)
+    say_answer(sweep_dir, command.report_args)
     check_sweep(sweep_dir)
     print(f"study finished in {duration(time.perf_counter() - started)}; report: {Path(sweep_dir).resolve()}/report.md")
 

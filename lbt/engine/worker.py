@@ -38,6 +38,7 @@ from lbt.metrics.text_log import say_once, text_log
 from lbt.parallel import launcher
 from lbt.parallel import process_group as pg
 from lbt.parallel.tensor_parallel import device_mesh
+from lbt.paths import folder_lock
 from lbt.spec.result import ResultError, RunResult, read_result, write_result
 from lbt.spec.run import Launch, RunSpec, build_spec, identity_differences, run_identity
 from lbt.techniques.base import Technique
@@ -59,6 +60,14 @@ def run(spec: RunSpec, run_dir: str | Path, techniques: list[Technique] | tuple 
     no result.json; torchrun's ranks other than 0 return an empty result.
     """
     run_dir = str(Path(run_dir).resolve())
+    env = pg.torchrun_env()
+    if env is not None and env["rank"] != 0:
+        return _run(spec, run_dir, techniques)  # torchrun's rank 0 holds the folder for the run
+    with folder_lock(run_dir):  # one process at a time; a second gets one line naming the first
+        return _run(spec, run_dir, techniques)
+
+
+def _run(spec: RunSpec, run_dir: str, techniques: list[Technique] | tuple) -> RunResult:
     finished = finished_run(spec, run_dir)
     if finished is not None:
         say_once(f"{run_dir} holds this run, finished ({finished.steps:,} steps, result.json): nothing to train")
@@ -172,6 +181,9 @@ def check_run_folder(spec: RunSpec, run_dir: str) -> None:
     """The run folder against this run, before anything is written: a fresh start over a checkpoint or
     a finished run, or a resume of another run's, is a ConfigError. The workers check the checkpoint
     again, with the checksums (`Checkpointer.load_latest`)."""
+    if (Path(run_dir).expanduser() / ".lock").is_file():
+        with folder_lock(Path(run_dir).expanduser()):  # in use by another command: say that, not what it wrote
+            pass
     if finished_run(spec, run_dir) is not None:
         return
     checkpointer = Checkpointer(Path(run_dir).expanduser(), 0, spec.procs, identity=spec.identity())

@@ -14,6 +14,12 @@ The report judges runs by accuracy (`--metric acc`, the default) or by loss (`--
 better; a language model's also reads as bits per char): the target, steps to it (critical.py) and
 "how many GPUs" (answer.py) all compare through lbt/spec/objective.py's Metric; accuracy_vs_batch.png
 is then loss_vs_batch.png. Past a batch cap, hybrid.py scores data x tensor parallelism.
+
+No answer without the data for it (trust.py): the report names the study's missing and failed jobs, and
+states the critical batch and "how many GPUs" only when every job finished, more than one global batch
+was measured and the base batch learned; otherwise it says why, and summary.json holds `complete`,
+`missing`, `failed`, `answer_withheld` and no figure to read as an answer. It warns above the answer when
+the base batch is undertrained.
 """
 
 from __future__ import annotations
@@ -23,14 +29,16 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from lbt.apps.report.answer import answer_lines, gpu_answer, time_to_accuracy
-from lbt.apps.report.critical import critical_batch
+from lbt.apps.report.answer import answer_lines, gpu_answer, time_to_accuracy, withhold
+from lbt.apps.report.critical import critical_batch, withhold_figures
 from lbt.apps.report.hybrid import hybrid_caps, hybrid_points
 from lbt.apps.report.jobs import SUMMARY_DIR, Job, load_jobs
 from lbt.apps.report.markdown import markdown
 from lbt.apps.report.plots import plot_gns, plot_gpus, plot_metric_vs_batch, plot_steps
 from lbt.apps.report.rows import Row, aggregate, default_target
 from lbt.apps.report.tensorboard import write_tensorboard
+from lbt.apps.report.trust import judge_study
+from lbt.apps.study_folder import expected_jobs
 from lbt.errors import ConfigError
 from lbt.spec.objective import metric_named
 
@@ -44,21 +52,21 @@ def write_report(study_dir: str | Path, target: float | None = None, tolerance: 
     better): the target, steps to it, and "how many GPUs" within `tolerance` (the metric's units,
     default its default_tolerance). Writes the report's files into the folder; returns summary.json."""
     study_dir, judge = Path(study_dir), metric_named(metric, "--metric")
-    jobs = load_jobs(study_dir)
-    if not jobs:
-        raise ConfigError(f"no result.json found under {study_dir}: is it a study (multirun) folder?")
+    jobs = finished_jobs(study_dir)
     target = default_target(jobs, judge) if target is None else target
     tolerance = judge.default_tolerance if tolerance is None else tolerance
     rows = aggregate(jobs, target, judge)
-    answer = gpu_answer(rows, tolerance, judge)
+    measured = gpu_answer(rows, tolerance, judge)
+    trust = judge_study(study_dir, jobs, rows, measured, judge)
+    answer = withhold(measured, trust.reasons) if trust.withheld else measured
     crit = critical_batch(jobs, rows, target, answer, judge)  # the sweep's figure first; fit and gns as diagnostics
-    if network is not None:
+    if network is not None and not trust.withheld:
         answer["time_to_accuracy"] = time_to_accuracy(rows, answer, jobs, network, step_ms)
     hybrid = hybrid_points(rows, jobs, hybrid_caps(answer, hybrid_cap), judge)
-    (study_dir / "report.md").write_text(markdown(rows, target, crit, jobs, answer, judge, hybrid,
-                                                  hybrid_cap is not None))
+    (study_dir / "report.md").write_text(markdown(rows, target, crit, answer, judge, hybrid,
+                                                  hybrid_cap is not None, trust))
     curves, gpus = f"{judge.label}_vs_batch.png", f"{judge.label}_vs_gpus.png"
-    vertical_lines = plot_metric_vs_batch(rows, crit, study_dir / curves, judge)
+    vertical_lines = plot_metric_vs_batch(rows, crit, study_dir / curves, judge, measured, trust.withheld)
     files = ["report.md", curves, "steps_to_target.png", "gns_over_training.png", "summary.json", SUMMARY_DIR]
     if any("impossible" not in p for p in hybrid):
         plot_gpus(rows, hybrid, study_dir / gpus, judge)
@@ -66,10 +74,18 @@ def write_report(study_dir: str | Path, target: float | None = None, tolerance: 
     plot_steps(rows, target, crit, study_dir / "steps_to_target.png", judge)
     plot_gns(jobs, crit, study_dir / "gns_over_training.png")
     write_tensorboard(rows, jobs, study_dir / SUMMARY_DIR)
+    if trust.withheld:
+        crit = withhold_figures(crit, trust.withheld)
     summary = {
         "metric": judge.name,
         f"target_{judge.name}": target,
         "files": files,
+        # Whether every job of the study finished, which did not, and why there is no answer (None: there is one).
+        "complete": trust.complete,
+        "missing": trust.missing,
+        "failed": trust.failed,
+        "answer_withheld": trust.withheld,
+        "warnings": [w.replace("**", "") for w in trust.warnings],
         "gpu_answer": answer,
         "hybrid": hybrid,
         "critical_batch": crit,
@@ -79,6 +95,17 @@ def write_report(study_dir: str | Path, target: float | None = None, tolerance: 
     }
     (study_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def finished_jobs(study_dir: Path) -> list[Job]:
+    """The jobs that wrote a result.json; none is a ConfigError saying why."""
+    jobs = load_jobs(study_dir)
+    if not jobs:
+        expected = len(expected_jobs(study_dir))
+        raise ConfigError(f"none of the {expected} jobs of the study in {study_dir} has finished yet: no report (run "
+                          "the same `lbt study` command to continue it)" if expected else
+                          f"no result.json found under {study_dir}: is it a study (multirun) folder?")
+    return jobs
 
 
 def job_summary(job: Job) -> dict[str, Any]:

@@ -4,7 +4,9 @@
 select on, never test) stays within a tolerance of the smallest batch's baseline, and the world size
 there. With a network, `time_to_accuracy` adds which of those GPU counts reaches the target soonest:
 steps to target (measured) x the step time lbt plan's cost model predicts at that world size.
-`answer_lines` writes both as the report's last section.
+`answer_lines` writes both as the report's last section. A study whose data cannot carry an answer
+(trust.py: jobs missing or failed, one batch measured, a base batch that did not learn) gets none:
+`withhold` keeps what the runs measured and drops what would answer.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 from lbt.apps.plan.compute import compute_from_result, compute_from_step_ms
 from lbt.apps.report.jobs import Job, is_baseline
-from lbt.apps.report.rows import Row, study_split
+from lbt.apps.report.rows import Row, char_level, shown, study_split
 from lbt.cost.data_parallel import NETWORKS, Compute, scaling_rows
 from lbt.engine.build import data_shape
 from lbt.errors import ConfigError
@@ -30,12 +32,13 @@ def gpu_answer(rows: list[Row], tolerance: float, metric: Metric = ACC) -> dict[
     Judged on the split the runs select on (val when there is one), never on test; test is shown beside.
     Entries are named after the metric (`acc`, `acc_std`, `test_acc`, `next_acc`; `loss`, ...).
     """
-    split, m = study_split(rows), metric.name
+    split, m, char = study_split(rows), metric.name, char_level(rows)
     # A batch every seed of which diverged or failed has no final value, but was tried and lost: it bounds the answer.
     tried = [r for r in rows if r.split == split and (math.isfinite(r.final(metric)) or r.diverged or r.errors)]
     scored = [r for r in tried if math.isfinite(r.final(metric))]
     if not scored:
-        return {"metric": m, "tolerance": tolerance, "split": split, "reference": None, "recipes": [], "best": None}
+        return {"metric": m, "tolerance": tolerance, "split": split, "reference": None, "recipes": [], "best": None,
+                "bits_per_char": char}
     smallest = min(r.global_batch for r in scored)
     at_smallest = [r for r in scored if r.global_batch == smallest]
     reference = ([r for r in at_smallest if is_baseline(r.recipe)] or at_smallest)[0]
@@ -45,7 +48,14 @@ def gpu_answer(rows: list[Row], tolerance: float, metric: Metric = ACC) -> dict[
     ranked = [r for r in recipes if r["global_batch"]]
     best = max(ranked, key=lambda r: (r["global_batch"], metric.score(r[m]))) if ranked else None
     return {"metric": m, "tolerance": tolerance, "split": split, "floor": floor, "best": best, "recipes": recipes,
+            "bits_per_char": char,
             "reference": {"recipe": reference.recipe, "global_batch": smallest, m: reference.final(metric)}}
+
+
+def withhold(answer: dict[str, Any], reasons: list[str]) -> dict[str, Any]:
+    """summary.json's gpu_answer of a study that gives no answer: the base it was measured from, why it is
+    withheld, and no recipe's largest batch, best recipe or floor for anything downstream to read."""
+    return {**answer, "withheld": "; ".join(reasons), "floor": None, "best": None, "recipes": []}
 
 
 def recipe_answer(rows: list[Row], floor: float, metric: Metric) -> dict[str, Any]:
@@ -105,12 +115,18 @@ def worker_compute(jobs: list[Job], step_ms: float | None) -> Compute:
         raise ConfigError(str(error)) from None
 
 
-def answer_lines(answer: dict[str, Any]) -> list[str]:
-    """The report's last section: the answer to "how many GPUs can I use, with which recipe?"."""
+def answer_lines(answer: dict[str, Any], warnings: list[str] | tuple = ()) -> list[str]:
+    """The report's last section: the answer to "how many GPUs can I use, with which recipe?", or why there is
+    none; `warnings` (trust.py's headlines: "the base batch is undertrained") stand just above the answer."""
     lines = ["", "## How many GPUs?", ""]
+    if answer.get("withheld"):
+        return lines + [f"No answer: {answer['withheld']} (the top of this report says what it needs)."]
     if answer["reference"] is None:
         return lines + ["No run finished: no answer."]
     lines += recipe_table_lines(answer)
+    if answer["best"] and warnings:
+        lines += ["", f"Warning, see the top of this report: {'; '.join(warnings)}. Trust the answer below only "
+                      "after that is fixed."]
     metric, best, split = metric_named(answer["metric"], "metric"), answer["best"], answer["split"]
     within = metric.units(answer["tolerance"])
     if best:
@@ -128,17 +144,18 @@ def recipe_table_lines(answer: dict[str, Any]) -> list[str]:
     ref, split = answer["reference"], answer["split"]
     metric = metric_named(answer["metric"], "metric")
     m, show, within = metric.name, metric.show, metric.units(answer["tolerance"])
+    unit, base = "%" if metric.suffix else "nats", shown(metric, ref[m], bool(answer.get("bits_per_char")))
     lines = [f"Within **{within}** of {ref['recipe']} at the smallest global batch "
-             f"({ref['global_batch']:,}: final {split} {m} {show(ref[m])}{metric.suffix}), judged on {split} "
-             f"(`lbt report DIR --tolerance {metric.unit.upper()}S` to change it):", "",
-             f"| recipe | largest global batch within | GPUs (world size) | final {split} {m} (mean ± std, seeds) | "
-             f"test {m} | next batch tried: {m} |", "|---|---:|---:|---:|---:|---|"]
+             f"({ref['global_batch']:,}: final {split} {m} {base}), "
+             f"judged on {split} (`lbt report DIR --tolerance {metric.unit.upper()}S` to change it):", "",
+             f"| recipe | largest global batch within | GPUs (world size) | final {split} {m}, {unit} (mean ± std, "
+             f"seeds) | test {m}, {unit} | next batch tried: {m} |", "|---|---:|---:|---:|---:|---|"]
     for r in answer["recipes"]:
         if r["global_batch"] is None:
             lines.append(f"| {r['recipe']} | none | - | - | - | every batch tried is more than {within} worse |")
             continue
         spread = f" ± {show(r[f'{m}_std'])}" if r["seeds"] and r["seeds"] > 1 else ""
-        following = (f"{r['next_batch']:,}: {show(r[f'next_{m}'])}{metric.suffix}"
+        following = (f"{r['next_batch']:,}: {shown(metric, r[f'next_{m}'])}"
                      if r["next_batch"] and r[f"next_{m}"] is not None
                      else "none larger tried" if r["global_batch"] == r["largest_batch_run"]
                      else f"{r['next_batch']:,}: diverged or failed")

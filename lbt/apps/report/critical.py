@@ -51,6 +51,14 @@ def critical_batch(jobs: list[Job], rows: list[Row], target: float | None, answe
     return crit
 
 
+def withhold_figures(crit: dict[str, Any], reason: str) -> dict[str, Any]:
+    """summary.json's critical_batch of a study that gives no answer (trust.py): every figure lbt plan or a
+    script could take for the critical batch (value, fit, gns, ratio) is None and `withheld` says why; the
+    diagnostics keep what the finished jobs measured, as report.md shows them."""
+    return {**crit, "withheld": reason, "value": None, "held": None, "fit": None, "fit_interval": None,
+            "gns": None, "ratio": None}
+
+
 def lead_figure(answer: dict[str, Any], rows: list[Row], metric: Metric = ACC) -> dict[str, Any]:
     """The one critical-batch figure: the best recipe's largest global batch within the tolerance of the
     base batch (`held`), the batch it tried next (`failed`, `failed_by` units worse than the base), the seeds
@@ -61,7 +69,7 @@ def lead_figure(answer: dict[str, Any], rows: list[Row], metric: Metric = ACC) -
         "split": answer["split"], "base": base, "runs": sum(r.seeds for r in rows if r.split == answer["split"]),
         "recipe": None, "held": None, "failed": None,
     }
-    if not best:
+    if not best or not base:
         return figure
     failed_value = finite(best[f"next_{m}"])
     figure.update(

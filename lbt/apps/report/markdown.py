@@ -1,8 +1,11 @@
-"""report.md: what the splits and the target mean, the critical batch, one table per recipe, the failed
-jobs, the data x tensor parallel points, and last the answer to "how many GPUs?".
+"""report.md: whether it can answer (missing and failed jobs, an undertrained base batch), what the splits and
+the target mean, the critical batch, one table per recipe, the data x tensor parallel points, and last the
+answer to "how many GPUs?".
 
 Every column is named after the split it was measured on; a row evaluated on another split than the
-study's leaves the split-named cells empty rather than put a test number under a val heading.
+study's leaves the split-named cells empty rather than put a test number under a val heading. Accuracy
+is in percent everywhere (tables, sentences, plots); a loss in nats, and a character-level language
+model's also in bits per char, as its runs print it.
 """
 
 from __future__ import annotations
@@ -13,10 +16,15 @@ from typing import Any
 from lbt.apps.report.answer import answer_lines
 from lbt.apps.report.critical import B_SIMPLE_CAVEAT, FIT_CAVEAT
 from lbt.apps.report.hybrid import hybrid_lines
-from lbt.apps.report.jobs import Job
-from lbt.apps.report.rows import GNS_WINDOW, Row, study_split
+from lbt.apps.report.rows import GNS_WINDOW, Row, char_level, shown, study_split
+from lbt.apps.report.trust import Trust
 from lbt.metrics.critical import b_simple_undefined
 from lbt.spec.objective import ACC, Metric
+
+CONTINUE = ("Run the same `lbt study` command again: it continues the study in this folder (finished jobs are kept "
+            "as they are, stopped ones resume from their checkpoints, missing and failed ones run), then reports.")
+CONTINUE_SWEEP = ("Run the missing and failed jobs (the same `lbt train -m` command with trainer.resume=auto continues "
+                  "the sweep), then `lbt report` this folder again.")
 
 
 def fmt(value: float | None, spec: str = ".4f", std: float | None = None) -> str:
@@ -27,32 +35,67 @@ def fmt(value: float | None, spec: str = ".4f", std: float | None = None) -> str
     return text + (f" ± {format(std, spec)}" if std else "")
 
 
-def markdown(rows: list[Row], target: float | None, crit: dict[str, Any], jobs: list[Job],
+def percent(value: float | None, std: float | None = None) -> str:
+    """An accuracy cell in percent, as every accuracy of the report: `92.00 ± 2.83`."""
+    return fmt(None if value is None else 100 * value, ".2f", None if std is None or math.isnan(std) else 100 * std)
+
+
+def markdown(rows: list[Row], target: float | None, crit: dict[str, Any],
              answer: dict[str, Any] | None = None, metric: Metric = ACC, hybrid: list[dict[str, Any]] | tuple = (),
-             hybrid_cap_given: bool = False) -> str:
+             hybrid_cap_given: bool = False, trust: Trust | None = None) -> str:
     """The whole report.md."""
-    split = study_split(rows)
-    lines = ["# lbt study report", "", lead_line(crit, metric), ""] + preamble_lines(split, target, metric)
-    lines += ["", "## Diagnostics: other estimates of the critical batch", ""] + critical_lines(crit)
+    split, trust = study_split(rows), trust or Trust()
+    text = char_level(rows)  # a language model's: its losses also read in bits per char
+    lines = ["# lbt study report", "", *top_lines(crit, metric, trust, text), ""]
+    lines += [*preamble_lines(split, target, metric, text), *job_state_lines(trust)]
+    lines += ["", "## Diagnostics: other estimates of the critical batch", ""] + critical_lines(crit, trust)
     # The loss columns for a loss-judged study or a language model, whose loss reads as bits per char.
-    text = any(r.bits_per_char is not None for r in rows)
     losses = metric.name == "loss" or text
     for recipe in sorted({r.recipe for r in rows}):
         lines += recipe_table(sorted((r for r in rows if r.recipe == recipe), key=lambda r: r.global_batch),
                               split, metric, losses, text)
-    failed = [job for job in jobs if job.result.failed]
-    if failed:
-        lines += ["", "## Failed jobs", ""]
-        lines += [f"- `{job.job_dir}` ({job.series}): {job.result.error}" for job in failed]
     # The answer is the report's last section; the hybrid (past the answer's batches) comes just before it.
     lines += hybrid_lines(list(hybrid), split, metric, hybrid_cap_given)
     if answer is not None:
-        lines += answer_lines(answer)
+        lines += answer_lines(answer, trust.headlines)
     return "\n".join(lines) + "\n"
 
 
-def preamble_lines(split: str, target: float | None, metric: Metric) -> list[str]:
-    """What the splits are, and what steps to target and the gap measure."""
+def top_lines(crit: dict[str, Any], metric: Metric, trust: Trust, text: bool) -> list[str]:
+    """The report's first statement: the critical batch, or why there is no answer (and how to get one), then
+    any warning on the data the answer comes from."""
+    if trust.withheld:
+        first = (f"**No answer: {trust.withheld}.** The critical batch and \"how many GPUs?\" are withheld; the "
+                 "tables below hold what the finished jobs measured.")
+        if not trust.complete:
+            first += " " + (CONTINUE if trust.recorded else CONTINUE_SWEEP)
+        return [first]
+    return [lead_line(crit, metric, text), *("\n" + w for w in trust.warnings)]
+
+
+def job_state_lines(trust: Trust) -> list[str]:
+    """The study's missing and failed jobs, each with what it was (recipe, world size, global batch, seed) and,
+    for a missing one, its overrides that differ between the study's jobs (summary.json holds them all)."""
+    lines: list[str] = []
+    for title, cells, last in (("Missing jobs", trust.missing, "overrides"), ("Failed jobs", trust.failed, "error")):
+        if not cells:
+            continue
+        lines += ["", f"## {title}", "", f"| job folder | recipe | world size | global batch | seed | {last} |",
+                  "|---|---|---:|---:|---:|---|"]
+        for c in cells:
+            detail = f"`{' '.join(c['swept'])}`" if last == "overrides" else cell_text(c["error"])
+            lines.append(f"| `{c['job_dir']}` | {c['recipe'] or '?'} | {fmt(c['world_size'], ',')} | "
+                         f"{fmt(c['global_batch'], ',')} | {fmt(c['seed'], 'd')} | {detail} |")
+    return lines
+
+
+def cell_text(text: str | None) -> str:
+    """Free text in a table cell: one line, no column breaks."""
+    return " ".join(str(text or "").split()).replace("|", "\\|")
+
+
+def preamble_lines(split: str, target: float | None, metric: Metric, text: bool = False) -> list[str]:
+    """What the splits are, what steps to target and the gap measure, and the units."""
     if split == "val":
         splits = ("Splits: **val** is held out of the training set and is what the runs select on (best "
                   "accuracy, steps to target); **test** is scored once per run, at the end.")
@@ -60,19 +103,22 @@ def preamble_lines(split: str, target: float | None, metric: Metric) -> list[str
         splits = ("Splits: **no validation split** (data.val_fraction=0): the runs evaluated the **test** split "
                   "during training, so every number below is a test number and says so. Hold out a validation "
                   "split to select on val.")
-    target_text = f"{metric.show(target)}{metric.suffix}" if target is not None else "-"
+    target_text = shown(metric, target, text) if target is not None else "-"
+    units = ("Units: accuracy in percent; losses in nats (natural log, what the runs minimize)"
+             + ("; a character-level language model's loss also in bits per char (nats / ln 2, as its runs print "
+                "it: the bits/char columns)." if text else "."))
     return [splits,
             f"Steps to target: interpolated step at which {split} {metric.label} first reached {target_text} (the "
             f"base batch's final {split} {metric.label}, {metric.units(metric.target_margin)} worse, unless "
             f"--target is given). Gap: test {metric.label} minus the baseline's at the smallest global batch, in "
-            f"{metric.unit}s."]
+            f"{metric.unit}s.", units]
 
 
-def lead_line(crit: dict[str, Any], metric: Metric) -> str:
+def lead_line(crit: dict[str, Any], metric: Metric, text: bool = False) -> str:
     """The report's one critical-batch figure: how it was measured, and how sure it is (the bracket
     between the last batch that held and the first that did not, and the seeds' spread)."""
-    def shown(value: float) -> str:
-        return f"{metric.show(value)}{metric.suffix}"
+    def show(value: float) -> str:
+        return shown(metric, value, text)
 
     def units(amount: float) -> str:
         return metric.units(round(amount, metric.decimals))
@@ -84,25 +130,27 @@ def lead_line(crit: dict[str, Any], metric: Metric) -> str:
     base, value, failed = crit["base"], crit["value"], crit["failed"]
     seeds = (f"mean of {crit['seeds']} seeds ± {units(crit['held_std'] / metric.unit_size)}" if crit["seeds"] > 1
              else "1 seed")
-    held = (f"At {value:,}, {crit['recipe']} reached {shown(crit['held_value'])} ({seeds}; "
+    held = (f"At {value:,}, {crit['recipe']} reached {show(crit['held_value'])} ({seeds}; "
             f"{units(crit['held_by'])} worse than the base)")
     if failed and crit["failed_value"] is not None:
         bracket = (f"the next batch tried, {failed:,}, was {units(crit['failed_by'])} worse "
-                   f"({shown(crit['failed_value'])}): the critical batch lies between {value:,} and {failed:,}")
+                   f"({show(crit['failed_value'])}): the critical batch lies between {value:,} and {failed:,}")
     elif failed:
         bracket = (f"the next batch tried, {failed:,}, diverged or failed: the critical batch lies between {value:,} "
                    f"and {failed:,}")
     else:
         bracket = f"no larger batch was tried: the critical batch is at least {value:,}"
     return (f"**Critical batch: {value:,}** (global batch, {crit['recipe']}; measured: {how}; base: "
-            f"{base['recipe']} at {base['global_batch']:,}, {shown(base[metric.name])}). {held}; {bracket}.")
+            f"{base['recipe']} at {base['global_batch']:,}, {show(base[metric.name])}). {held}; {bracket}.")
 
 
-def critical_lines(crit: dict[str, Any]) -> list[str]:
+def critical_lines(crit: dict[str, Any], trust: Trust | None = None) -> list[str]:
     """The critical batch from steps to target and from the gradient noise scale, or why each is missing,
     each with why it can differ from the figure the report leads with."""
     lines = ["These measure other things than the figure above and can disagree with it by orders of magnitude; "
-             "they are not the answer.", ""]
+             "they are not the answer."
+             + (" The study gives no answer (see the top): these are what its finished jobs measured." if trust and
+                trust.withheld else ""), ""]
     if crit["fit"]:
         low, high = crit["fit_interval"]
         lines.append(f"- From steps to target ({crit['series']}, {crit['fit_points']} runs, S = S_min (1 + B_noise/B), "
@@ -123,8 +171,8 @@ def critical_lines(crit: dict[str, Any]) -> list[str]:
 
 def recipe_table(rows: list[Row], split: str, metric: Metric, losses: bool, text: bool) -> list[str]:
     """One recipe's section: a row per global batch (`losses`: loss columns; `text`: bits per char)."""
-    header = ([f"final {split} acc", f"best {split} acc", "test acc"]
-              + [f"final {split} loss", f"best {split} loss", "test loss"] * losses
+    header = ([f"final {split} acc (%)", f"best {split} acc (%)", "test acc (%)"]
+              + [f"final {split} loss (nats)", f"best {split} loss (nats)", "test loss (nats)"] * losses
               + [f"{split} bits/char", "test bits/char"] * text
               + [f"gap ({metric.unit}s)", "steps", f"steps to target ({split} {metric.name})",
                  f"B_simple (last {100 * GNS_WINDOW:g}%)", "samples/s", "allreduces", "MB sent per worker"])
@@ -138,8 +186,8 @@ def row_cells(r: Row, split: str, metric: Metric, losses: bool, text: bool) -> l
     """The cells of one row of a recipe's table, in its header's order."""
     mine = r.split == split  # a row evaluated on another split leaves the split-named columns empty
     cells = [f"{r.global_batch:,}", str(r.world_size), str(r.seeds),
-             fmt(r.final_acc if mine else None, ".4f", r.final_acc_std), fmt(r.best_acc if mine else None),
-             fmt(r.test_acc, ".4f", r.test_acc_std)]
+             percent(r.final_acc if mine else None, r.final_acc_std), percent(r.best_acc if mine else None),
+             percent(r.test_acc, r.test_acc_std)]
     if losses:
         cells += [fmt(r.final_loss if mine else None, ".4f", r.final_loss_std),
                   fmt(r.best_loss if mine else None), fmt(r.test_loss, ".4f", r.test_loss_std)]

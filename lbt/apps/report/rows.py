@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from lbt.apps.report.jobs import Job, is_baseline
 from lbt.metrics.critical import b_simple_undefined, crossing_step, gns_summary, run_optimizer
 from lbt.metrics.spread import mean_std
-from lbt.spec.objective import ACC, Metric
+from lbt.spec.objective import ACC, Metric, bits
 from lbt.techniques.gns import B_SIMPLE
 
 GNS_WINDOW = 0.2  # B_simple is summarised over this last fraction of training
@@ -80,6 +80,21 @@ def mean_std_or_none(values: Sequence[float | None]) -> tuple[float | None, floa
 
 def finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
+
+
+def shown(metric: Metric, value: float | None, char: bool = False) -> str:
+    """A value in a sentence, with its unit: `97.20%` (accuracy, in percent everywhere in the report), `2.0000
+    nats` (loss), `2.0000 nats = 2.8854 bits/char` (a character-level language model's loss, `char`: its runs
+    print bits per char)."""
+    text = metric.show(value)
+    if metric.name != "loss" or text == "-":
+        return text + metric.suffix * (text != "-")
+    return f"{text} nats" + (f" = {bits(value):.4f} bits/char" if char and value is not None else "")
+
+
+def char_level(rows: list[Row]) -> bool:
+    """Whether the study's runs are a character-level language model's (their losses also read in bits/char)."""
+    return any(r.bits_per_char is not None for r in rows)
 
 
 def study_split(rows: list[Row]) -> str:

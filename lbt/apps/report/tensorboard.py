@@ -2,13 +2,14 @@
 
 Scalars use the global batch as their step (`study/<recipe>/val_acc`, `.../test_acc`, the losses and
 steps to target), so TensorBoard's line is the metric against the batch; the HParams tab holds one
-row per finished job. Tags are named after the split their numbers come from.
+row per finished job, named after what it ran (`lars_W64_B4096_seed1`, `run_names`). Tags are named after
+the split their numbers come from.
 """
 
 from __future__ import annotations
 
 import math
-import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -25,10 +26,26 @@ def write_tensorboard(rows: list[Row], jobs: list[Job], path: Path) -> None:
     writer = SummaryWriter(str(path))
     for row in sorted(rows, key=lambda r: r.global_batch):
         write_row_scalars(writer, row)
-    for i, job in enumerate(jobs):
-        if not job.result.failed:
-            write_job_hparams(writer, job, i)
+    finished = [job for job in jobs if not job.result.failed]
+    for job, name in zip(finished, run_names(finished)):
+        write_job_hparams(writer, job, name)
     writer.close()
+
+
+def run_name(job: Job) -> str:
+    """A job's TensorBoard run: its series (recipe, and any other swept setting), world size, global batch and
+    seed (`lars_W64_B4096_seed1`; `_T2` under tensor parallelism), in characters any file system takes."""
+    r = job.result
+    series = re.sub(r"[^\w.=+-]+", "_", job.series).strip("_") or "run"
+    tensor = f"_T{r.tensor_parallel}" if r.tensor_parallel > 1 else ""
+    return f"{series}_W{r.world_size}{tensor}_B{r.global_batch}_seed{r.seed or 0}"
+
+
+def run_names(jobs: list[Job]) -> list[str]:
+    """Each job's run_name; a name two jobs would share gets each job's folder after it."""
+    names = [run_name(job) for job in jobs]
+    return [name if names.count(name) == 1 else name + "_" + re.sub(r"[^\w.-]+", "_", job.job_dir)
+            for name, job in zip(names, jobs)]
 
 
 def write_row_scalars(writer: Any, row: Row) -> None:
@@ -46,7 +63,7 @@ def write_row_scalars(writer: Any, row: Row) -> None:
         writer.add_scalar(f"{tag}/steps_to_target_{row.split}", row.steps_to_target, row.global_batch)
 
 
-def write_job_hparams(writer: Any, job: Job, index: int) -> None:
+def write_job_hparams(writer: Any, job: Job, name: str) -> None:
     """A finished job's layout and LR beside its final numbers, named after the split they were measured on."""
     result, split = job.result, job.result.eval_split
     hparams = {"recipe": result.recipe, "world_size": result.world_size, "global_batch": result.global_batch,
@@ -56,4 +73,4 @@ def write_job_hparams(writer: Any, job: Job, index: int) -> None:
                "hparam/diverged": float(result.diverged)}
     if result.test_acc is not None:
         metrics["hparam/test_acc"] = result.test_acc
-    writer.add_hparams(hparams, metrics, run_name=f"job_{job.job_dir.replace(os.sep, '_') or index}")
+    writer.add_hparams(hparams, metrics, run_name=name)
