@@ -39,6 +39,21 @@ class FolderInUse(ConfigError):
     """Another live process holds the folder's lock; the message names it."""
 
 
+def check_free(folder: str | Path) -> None:
+    """FolderInUse if a live process holds `folder`'s lock (the lock is not taken, nothing is written)."""
+    path = Path(folder) / ".lock"
+    if not path.is_file():
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
+        raise FolderInUse(f"{folder} is in use by {holder}: wait for it to end, or use another folder") from None
+    finally:
+        os.close(fd)
+
+
 @contextmanager
 def folder_lock(folder: str | Path) -> Iterator[None]:
     """Hold `folder`'s lock while the block runs: a second process asking for it fails at once.

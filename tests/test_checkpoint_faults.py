@@ -175,7 +175,7 @@ def test_refusals_are_one_line_from_the_command_line_with_two_processes(tmp_path
     first = lbt_cli(args, tmp_path, timeout=180)
     assert first.returncode == 0, first.stderr
     before = snapshot(tmp_path / "run")
-    for extra, expected in [([], "already holds a checkpoint (step 4)"),
+    for extra, expected in [([], "holds this run, finished (8 steps): nothing to do"),
                             (["trainer.resume=auto", "dist.world_size=4"], "dist.world_size (2 -> 4)")]:
         refused = lbt_cli(args + extra, tmp_path, timeout=180)
         lines = [line for line in refused.stderr.splitlines() if line.strip() and not line.startswith("lbt: note:")]

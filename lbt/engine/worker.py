@@ -38,7 +38,7 @@ from lbt.metrics.text_log import say_once, text_log
 from lbt.parallel import launcher
 from lbt.parallel import process_group as pg
 from lbt.parallel.tensor_parallel import device_mesh
-from lbt.paths import folder_lock
+from lbt.paths import check_free, folder_lock
 from lbt.spec.result import ResultError, RunResult, read_result, write_result
 from lbt.spec.run import Launch, RunSpec, build_spec, identity_differences, run_identity
 from lbt.techniques.base import Technique
@@ -181,9 +181,7 @@ def check_run_folder(spec: RunSpec, run_dir: str) -> None:
     """The run folder against this run, before anything is written: a fresh start over a checkpoint or
     a finished run, or a resume of another run's, is a ConfigError. The workers check the checkpoint
     again, with the checksums (`Checkpointer.load_latest`)."""
-    if (Path(run_dir).expanduser() / ".lock").is_file():
-        with folder_lock(Path(run_dir).expanduser()):  # in use by another command: say that, not what it wrote
-            pass
+    check_free(Path(run_dir).expanduser())  # in use by another command: say that, not what it wrote so far
     if finished_run(spec, run_dir) is not None:
         return
     checkpointer = Checkpointer(Path(run_dir).expanduser(), 0, spec.procs, identity=spec.identity())
