@@ -1,11 +1,12 @@
-"""Every `lbt` command in the README's command blocks works, in a short form, so the README cannot drift.
+"""Every `lbt` command in the command blocks of README.md and docs/*.md works, in a short form: no drift.
 
 train and study commands are composed and checked as they would run (`--cfg job`: the same one-line
 checks of every job, nothing trained); tune commands lay out their grid (every cell composed and
 checked against the command, no trial run); probe commands run on tiny synthetic data; plan commands
 profile briefly; report commands read a small
-study. Placeholders (`runs/train/<time>`, a study folder) become folders made here. The own-model section runs for real
-in tests/test_own_model.py, and lines with `...` are fragments of the command above them.
+study. Placeholders (`runs/train/<time>`, a study folder) become folders made here. The own-model page's
+worked example runs for real in tests/test_own_model.py, and lines with `...` are fragments of the command
+above them. The README's links into docs/ (and the docs' links to each other) must lead somewhere.
 """
 
 import math
@@ -14,17 +15,20 @@ from pathlib import Path
 
 import pytest
 from conftest import train
+from test_own_model import own_model_block
 
 REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+KINDS = {"train", "study", "probe", "tune", "report", "plan"}
 
 
-def readme_commands() -> list[str]:
-    """`lbt ...` lines of the README's ```bash blocks, continuations joined and comments cut."""
-    text = (REPO / "README.md").read_text()
-    own = text.split("\n## Your own model and data\n", 1)[1].split("\n## ", 1)[0]
+def page_commands(text: str) -> list[str]:
+    """`lbt ...` lines of a page's ```bash blocks, continuations joined and comments cut (the own-model
+    example left to tests/test_own_model.py)."""
+    own = own_model_block()
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
-        if block in own:
+        if block == own:
             continue
         for line in block.replace("\\\n", " ").splitlines():
             line = re.sub(r"\s+#.*$", "", line).strip()
@@ -33,11 +37,45 @@ def readme_commands() -> list[str]:
     return commands
 
 
-COMMANDS = readme_commands()
+def documented_commands() -> dict[str, str]:
+    """Every command of README.md and docs/*.md, once, with the first page that shows it."""
+    found: dict[str, str] = {}
+    for page in PAGES:
+        for command in page_commands(page.read_text()):
+            found.setdefault(command, str(page.relative_to(REPO)))
+    return found
 
 
-def test_the_readme_has_commands_of_every_kind():
-    assert {c.split()[1] for c in COMMANDS} >= {"train", "study", "probe", "tune", "report", "plan"}
+COMMANDS = documented_commands()
+
+
+def test_the_readme_and_docs_have_commands_of_every_kind():
+    readme = page_commands((REPO / "README.md").read_text())
+    assert {c.split()[1] for c in readme} >= KINDS  # each task section of the README shows its command
+    assert {c.split()[1] for c in COMMANDS} >= KINDS
+    # The docs' pages hold commands the README does not, and they are checked too.
+    assert any(page.startswith("docs/") for page in COMMANDS.values())
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_the_readme_and_docs_lead_somewhere():
+    linked = set()
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue  # a web address
+            path, _, fragment = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            assert file.is_file(), f"{page.relative_to(REPO)}: {target}"
+            linked.add(file)
+            if fragment:
+                headings = re.findall(r"^#+ (.+)$", file.read_text(), re.M)
+                assert fragment in {anchor(h) for h in headings}, f"{page.relative_to(REPO)}: {target}"
+    assert set(PAGES[1:]) <= linked, "docs/ pages no page links to"
 
 
 @pytest.fixture(scope="module")
@@ -113,9 +151,10 @@ def check_tune_grid(args: list[str]) -> None:
 
 
 # A probe trains (a base run and its branches, tiny as they are): the slow lane's.
-@pytest.mark.parametrize("command", [pytest.param(c, marks=pytest.mark.slow) if c.split()[1] == "probe" else c
-                                     for c in COMMANDS])
-def test_readme_command(command, placeholders, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("command", [pytest.param(c, id=f"{page}: {c}",
+                                                  marks=[pytest.mark.slow] if c.split()[1] == "probe" else [])
+                                     for c, page in COMMANDS.items()])
+def test_documented_command(command, placeholders, tmp_path, monkeypatch, capsys):
     """In this process (`lbt.apps.cli.main`, as `lbt` runs it), from an empty folder."""
     from lbt.apps.cli import main
 
