@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from lbt.apps.plan.cli import plan_main
@@ -95,6 +93,24 @@ def test_network_presets_cover_the_usual_fabrics():
     assert speeds == sorted(speeds, reverse=True)
 
 
+def test_network_presets_of_current_fabrics_with_their_sources():
+    # NVLink 4 (H100), InfiniBand HDR and NDR, 100 and 400 Gigabit Ethernet: per-direction data rates
+    current = {"nvlink4": 3600.0, "ib-ndr": 400.0, "400gbe": 400.0, "ib-hdr": 200.0, "100gbe": 100.0}
+    assert {name: NETWORKS[name].bandwidth_gbps for name in current} == current
+    for name in current:
+        assert NETWORKS[name].latency_us > 0 and len(NETWORKS[name].source) > 40  # a stated source
+    assert "NVLink 4" in NETWORKS["nvlink4"].source and "802.3bs" in NETWORKS["400gbe"].source
+    speeds = [n.bandwidth_gbps for n in NETWORKS.values()]  # --help lists them fastest first
+    assert speeds == sorted(speeds, reverse=True)
+
+
+def test_plan_takes_the_new_network_presets(tmp_path, capsys):
+    for name in ("ib-hdr", "ib-ndr", "nvlink4", "100gbe", "400gbe"):
+        assert plan_main(["--model", "mlp", "--step-ms", "2", "--network", name, "--max-workers", "4",
+                          "--out", str(tmp_path / f"{name}.png")]) == 0
+        assert f"network: {name}, {NETWORKS[name].bandwidth_gbps:g} Gb/s" in capsys.readouterr().out
+
+
 def test_scaling_rows_hand_computed_with_a_slow_network():
     # 10 ms of compute at b=100, 25M parameters = 100 MB of fp32 gradient over 1 Gb/s (125 MB/s), no latency.
     compute = Compute(0.004, 0.006, 0.0, per_worker_batch=100, num_params=25_000_000, source="test")
@@ -177,13 +193,13 @@ def test_plan_main_prints_the_table_and_writes_the_png(tmp_path, capsys):
 
 
 def test_plan_main_critical_batch_from_a_study(tmp_path, capsys):
-    study = tmp_path / "study"
-    study.mkdir()
-    (study / "summary.json").write_text(json.dumps({"critical_batch": {"fit": None, "gns": 100.0}}))
-    code = plan_main(["--model", "mlp", "--repeats", "3", "--max-workers", "4", "--from-study", str(study), "--out",
+    from test_plan_inputs import study_of
+
+    study = study_of(tmp_path / "study")  # lars keeps global batch 256 (8 GPUs), baseline 64 (2 GPUs)
+    code = plan_main(["--model", "mlp", "--step-ms", "5", "--max-workers", "16", "--from-study", str(study), "--out",
                       str(tmp_path / "p.png")])
     assert code == 0
-    assert "from W=2 on" in capsys.readouterr().out
+    assert "largest safe W at b=32: 8 (global batch 256)" in capsys.readouterr().out
 
 
 def test_plan_main_custom_network_and_usage_errors(tmp_path, capsys):
@@ -194,7 +210,11 @@ def test_plan_main_custom_network_and_usage_errors(tmp_path, capsys):
     assert plan_main(["--model", "mlp", "--overlap", "2", "--out", str(tmp_path / "q.png")]) == 2
     assert "--overlap" in capsys.readouterr().err
     assert plan_main(["--from-study", str(tmp_path / "missing"), "--out", str(tmp_path / "r.png")]) == 2
+    capsys.readouterr()
     assert plan_main(["--network", "carrier-pigeon"]) == 2
+    # argparse's mistakes too: one `lbt: error:` line, no usage block
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("lbt: error: argument --network: invalid choice: 'carrier-pigeon'")
 
 
 def test_plan_takes_hydra_style_key_values_like_lbt_train(tmp_path, capsys):

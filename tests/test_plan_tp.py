@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -149,6 +150,30 @@ def test_recommend_the_fastest_within_the_critical_batch():
     assert recommend([], 100) is None
 
 
+def test_recommend_never_a_split_whose_global_batch_exceeds_n():
+    # 8 x 1 is the fastest, but its global batch 512 exceeds N (less than one step per epoch): 4 x 2 instead.
+    rows = [replace(_row(1, 512, 1.0), beyond_dataset=True), _row(2, 256, 1.5), _row(4, 128, 2.0)]
+    assert recommend(rows, None) is rows[1]
+    assert recommend(rows, 1024) is rows[1]
+    assert recommend(rows, 100) is rows[2]
+    # every split past N: the smallest global batch, its epoch time meaningless, is what the table can show
+    past = [replace(r, beyond_dataset=True) for r in rows]
+    assert recommend(past, None) is past[2]
+
+
+def test_plan_never_recommends_a_split_past_n(tmp_path, capsys):
+    code = plan_main(["model=mlp", "step_ms=5", "tensor_parallel=2", "max_workers=8", "train_samples=256",
+                      "network=nvlink4", f"out={tmp_path / 'n.png'}"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    table = [line.split() for line in printed.splitlines() if line[:2].strip().isdigit()]
+    recommended = [cells for cells in table if "<- recommended" in " ".join(cells)]
+    # W=8: 8 x 1 (global batch 512 > N=256) would be fastest; 4 x 2 (256) is recommended instead
+    assert [int(cells[4].replace(",", "")) for cells in recommended] == [64, 128, 256, 256]
+    assert "tensor parallelism recommended from W=8 on (fastest epoch and <= N)" in printed
+    assert "exceeds N" not in printed.split("recommended split per W")[1]  # every W has a split within N
+
+
 def test_tensor_parallel_options():
     assert tensor_parallel_options("auto", 1024) == [1, 2, 4, 8]
     assert tensor_parallel_options("auto", 4) == [1, 2, 4]
@@ -184,7 +209,11 @@ def test_plan_says_which_t_the_model_cannot_take(tmp_path, capsys):
     code = plan_main(["model=cnn1d", "step_ms=5", "tensor_parallel=auto", "max_workers=8", f"out={tmp_path / 'c.png'}"])
     printed = capsys.readouterr().out
     assert code == 0
-    assert "note: T=4 impossible for cnn1d: width 10 of layer 11 (gather split) is not divisible by 4" in printed
+    # In plain words: which layer, what it is, how it would be split and why T GPUs cannot share it.
+    assert "note: T=4 impossible for cnn1d: its layer 11 (Linear 64 -> 10) is split by its 10 outputs, which 4 GPUs " \
+        "cannot share equally (left out of the table)" in printed
+    assert "layer 11 (Linear 64 -> 10), split by its 10 outputs, gathered back after it" in printed
+    assert "gather split" not in printed and "(gather)" not in printed and "width 10" not in printed
     splits = {line.split()[3] for line in printed.splitlines() if line[:2].strip().isdigit()}  # the T column
     assert splits == {"1", "2"}
 
@@ -197,7 +226,10 @@ def test_plan_tensor_parallel_from_a_result(tmp_path, capsys):
                                             config=config))
     assert plan_main(["--from-result", str(path), "--tensor-parallel", "2", "--max-workers", "4"]) == 0
     printed = capsys.readouterr().out
-    assert "lbt.models.MLP.1 (colwise)" in printed and " 2 x 2 " in printed and "1 x 4" not in printed
+    assert "lbt.models.MLP's layer 1 (Linear 40 -> 256), split by its 256 outputs; layer 3 (Linear 256 -> 256), " \
+        "split by its 256 inputs" in printed
+    assert "(colwise)" not in printed and " 2 x 2 " in printed and "1 x 4" not in printed
+    assert "N: 4,096 training samples per epoch" in printed  # the run's data, not a default
     assert (tmp_path / "plan.png").exists()
 
 
@@ -205,7 +237,7 @@ def test_plan_tensor_parallel_usage_errors(tmp_path, capsys):
     png = f"out={tmp_path / 'e.png'}"
     assert plan_main(["model=mlp", "step_ms=5", "tensor_parallel=3", png]) == 2
     assert capsys.readouterr().err.strip() == \
-        "lbt plan: error: --tensor-parallel must be auto or a power of 2 (1, 2, 4, ...), got '3'"
+        "lbt: error: --tensor-parallel must be auto or a power of 2 (1, 2, 4, ...), got '3'"
     assert plan_main(["model=mlp", "step_ms=5", "tensor_parallel=0", png]) == 2
     assert plan_main(["model=mlp", "step_ms=5", "tensor_parallel=auto", "compression=fp16", png]) == 2
     assert "--compression and --delay do not apply" in capsys.readouterr().err

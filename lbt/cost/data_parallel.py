@@ -53,20 +53,39 @@ class Network:
 
 
 # Typical values: link data rates per direction and small-message latencies as
-# vendors and common benchmarks state them. They are upper bounds on what an
+# vendors and common benchmarks state them, each with its source. They are upper bounds on what an
 # allreduce reaches (NCCL typically gets 80-95% of the link rate, TCP less):
 # measure yours (bench/allreduce.py, nccl-tests) and pass --bandwidth-gbps/--latency-us.
+# Fastest first: `lbt plan --help` lists them in this order.
 NETWORKS: dict[str, Network] = {
     n.name: n
     for n in (
+        Network("nvlink4", 3600.0, 5.0,
+                "NVLink 4 (H100/H200 SXM): 900 GB/s total = 18 links x 25 GB/s = 450 GB/s per direction "
+                "(NVIDIA H100 datasheet); nccl-tests show ~10-15 us for a tiny 2-GPU allreduce"),
         Network("nvlink", 2400.0, 5.0,
                 "NVLink 3 (A100): 600 GB/s total = 300 GB/s per direction (NVIDIA A100 datasheet); "
                 "nccl-tests show ~10-15 us for a tiny 2-GPU allreduce"),
+        Network("ib-ndr", 400.0, 0.6,
+                "InfiniBand NDR 4x: 400 Gb/s per port (4 lanes x 100 Gb/s PAM4; IBTA roadmap, NVIDIA ConnectX-7); "
+                "~0.6 us MPI latency adapter to adapter (osu_latency)"),
+        Network("400gbe", 400.0, 3.0,
+                "400 Gigabit Ethernet (IEEE 802.3bs) with RoCE v2 (NVIDIA ConnectX-7, Spectrum-X): ~2-3 us "
+                "through a switch; over TCP sockets expect ~10 us and less of the bandwidth"),
+        Network("ib-hdr", 200.0, 0.6,
+                "InfiniBand HDR 4x: 200 Gb/s per port (4 lanes x 50 Gb/s PAM4; IBTA roadmap, NVIDIA ConnectX-6); "
+                "~0.6 us MPI latency adapter to adapter (osu_latency)"),
+        Network("100gbe", 100.0, 3.0,
+                "100 Gigabit Ethernet (IEEE 802.3ba/cd) with RoCE v2 (NVIDIA ConnectX-5/6): ~2-3 us through a "
+                "switch; over TCP sockets expect ~10 us and less of the bandwidth"),
+        Network("ib-edr", 97.0, 0.6,
+                "InfiniBand EDR 4x: 100 Gb/s signalling, 97 Gb/s data (64b/66b); ~0.6 us latency (ConnectX-4/5)"),
+        Network("100g", 97.0, 0.6,
+                "100 Gb/s InfiniBand EDR 4x (the same as ib-edr): 97 Gb/s data (64b/66b); ~0.6 us latency "
+                "(ConnectX-4/5)"),
         Network("ib-fdr", 54.5, 0.7,
                 "InfiniBand FDR 4x: 56 Gb/s signalling, 54.5 Gb/s data (64b/66b); ~0.7 us MPI latency "
                 "(Mellanox ConnectX-3)"),
-        Network("100g", 97.0, 0.6,
-                "100 Gb/s InfiniBand EDR 4x: 97 Gb/s data (64b/66b); ~0.6 us latency (ConnectX-4/5)"),
         Network("25gbe", 25.0, 10.0,
                 "25 Gigabit Ethernet, TCP/IP (gloo, NCCL socket): ~10 us one-way through the kernel stack"),
         Network("10gbe", 10.0, 10.0,

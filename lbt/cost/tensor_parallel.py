@@ -82,6 +82,7 @@ class DenseSplit:
     sharded_params: int  # held 1/T per rank
     replicated_params: int  # held whole by every rank (a rowwise layer's bias among them)
     dense_share: float  # s: the split layers' share of a step's FLOPs
+    sizes: tuple[tuple[int, int], ...] = ()  # (in_features, out_features) of each split layer, as `layers`
 
     def local_params(self, tensor_parallel: int) -> int:
         """Parameters one rank holds: what its data-parallel allreduce carries."""
@@ -117,8 +118,7 @@ def dense_split(model, example) -> DenseSplit:
             hook.remove()
     batch = example.shape[0]
     collectives: list[Collective] = []
-    split_flops = 0
-    sharded = 0
+    split_flops = sharded = 0
     for layer in layers:
         module = modules[layer.name]
         numel_in, numel_out, input_grad = seen[layer.name]
@@ -137,7 +137,8 @@ def dense_split(model, example) -> DenseSplit:
             sharded += module.bias.numel()
     total = sum(p.numel() for p in model.parameters())
     share = split_flops / counter.get_total_flops() if counter.get_total_flops() else 0.0
-    return DenseSplit(tuple(layers), tuple(collectives), sharded, total - sharded, min(share, 1.0))
+    sizes = tuple((modules[layer.name].in_features, modules[layer.name].out_features) for layer in layers)
+    return DenseSplit(tuple(layers), tuple(collectives), sharded, total - sharded, min(share, 1.0), sizes)
 
 
 # -- the formulas -----------------------------------------------------------------------------------
@@ -237,13 +238,16 @@ def split_rows(
 
 def recommend(group: list[SplitRow], critical_batch: float | None) -> SplitRow | None:
     """The fastest epoch among one W's splits whose global batch stays at or below the critical batch
-    (all of them without one); when every split exceeds it, the fastest of the smallest global batch."""
+    (all of them without one); when every split exceeds it, the fastest of the smallest global batch.
+    A split whose global batch exceeds N (less than one step per epoch: its epoch time means nothing) is
+    chosen only when every split of that W does, and then the smallest global batch."""
     if not group:
         return None
-    within = [r for r in group if critical_batch is None or r.global_batch <= critical_batch]
-    if not within:
-        smallest = min(r.global_batch for r in group)
-        within = [r for r in group if r.global_batch == smallest]
+    candidates = [r for r in group if not r.beyond_dataset] or group
+    within = [r for r in candidates if critical_batch is None or r.global_batch <= critical_batch]
+    if not within or all(r.beyond_dataset for r in within):
+        smallest = min(r.global_batch for r in candidates)
+        within = [r for r in candidates if r.global_batch == smallest]
     return min(within, key=lambda r: r.epoch_s)
 
 

@@ -7,15 +7,22 @@ import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
+
+import torch
 
 from lbt.apps.plan.compute import (
     compute_from_result,
     compute_from_step_ms,
     config_names,
     critical_batch_from_study,
+    gpu_compute,
     model_and_data,
     model_split,
     profile_compute,
+    read_run,
+    run_parts,
+    train_samples,
 )
 from lbt.apps.plan.output import (
     describe_split,
@@ -27,18 +34,28 @@ from lbt.apps.plan.output import (
     summarize_splits,
 )
 from lbt.cost.data_parallel import NETWORKS, Compute, Network, gradient_bytes, scaling_rows, worker_counts
+from lbt.cost.gpu import DEFAULT_UTILIZATION, GPUS, LAUNCH_BOUND_S, PRECISIONS
 from lbt.cost.tensor_parallel import split_rows, tensor_parallel_options
 from lbt.data.base import DataShape
 from lbt.engine.build import data_shape
 from lbt.errors import ConfigError
+from lbt.spec.result import RunResult
 from lbt.spec.targets import Target
 
 EPILOG = """examples:
   lbt plan --model resnet20 --data cifar10 --per-worker-batch 128 --network 25gbe
   lbt plan model=resnet20 data=cifar10 per_worker_batch=128 network=25gbe   (the same)
-  lbt plan --from-result runs/train/X/result.json --network ib-fdr --critical-batch 2048
+  lbt plan --model resnet20 --data cifar10 --gpu h100 --precision bf16 --network ib-ndr
+  lbt plan --from-result runs/train/X/result.json --network ib-hdr --from-study runs/study/Y
+  lbt plan --model mypackage.MyNet --data custom --dataset mypackage.my_data --input-shape 40 --num-classes 2
   lbt plan --model cnn1d --bandwidth-gbps 40 --latency-us 5 --compression fp16 --overlap 0.5
   lbt plan --model mlp --tensor-parallel auto --network nvlink --critical-batch 1024
+
+a worker's compute: profiled here (this machine's GPU when it has one, else its CPU, with a warning),
+--step-ms measured elsewhere, a run's own samples/s (--from-result), or --gpu NAME: the model's FLOPs
+(torch FlopCounterMode, one forward + backward) over that GPU's published dense peak at --precision x an
+assumed --utilization (lbt/cost/gpu.py: the figures and their sources; the output states the ones used).
+N, the training samples per epoch: --train-samples, else the run's or the data's real training set.
 
 tensor parallelism (--tensor-parallel auto|T, lbt/cost/tensor_parallel.py): W GPUs as DP data-parallel
 workers x T tensor-parallel ranks that share each worker's batch, so the global batch is b x DP, not b x W.
@@ -47,23 +64,37 @@ step = compute x (1 - s + s/T) + the split layers' activation allreduces among t
 (forward and backward, Megatron-style Linear pairs) + the gradient allreduce over DP of the
 parameters each rank holds; s = the split layers' share of the FLOPs. It marks the recommended
 split of each W: the fastest epoch whose global batch stays <= the critical batch (the fastest
-overall without one). A T that does not divide a split layer's width is left out, with a note."""
+overall without one) and <= N. A T that does not divide a split layer's width is left out, with a note."""
+
+
+class UsageError(ValueError):
+    """A command line argparse rejects: one `lbt: error:` line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # argparse prints usage and exits; lbt says one line
+        raise UsageError(message)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="lbt plan", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Epoch time, speedup and scaling efficiency of synchronous data parallelism over W workers "
-                    "(measured compute + ring-allreduce model).")
+                    "(measured or predicted compute + ring-allreduce model).")
     _compute_options(parser)
+    _gpu_options(parser)
     _network_options(parser)
     parser.add_argument("--max-workers", type=int, default=1024)
-    parser.add_argument("--train-samples", "-N", type=int, help="N, training samples per epoch (default 60000)")
+    parser.add_argument("--train-samples", "-N", type=int,
+                        help="N, training samples per epoch (default: the run's or the data's training set)")
     critical = parser.add_mutually_exclusive_group()
     critical.add_argument("--critical-batch", type=float, metavar="B_CRIT",
                           help="mark W with b x W > B_CRIT (b x DP with --tensor-parallel)")
     critical.add_argument("--from-study", metavar="DIR",
-                          help="the critical batch a study's report led with (its summary.json)")
+                          help="the critical batch of a study's answer (its summary.json): the largest global batch "
+                               "within its tolerance, for --recipe, else the --from-result run's recipe, else the "
+                               "study's best; b defaults to that recipe's per-GPU batch in the study")
+    parser.add_argument("--recipe", help="with --from-study: whose answer to take (default: see --from-study)")
     parser.add_argument("--out", help="PNG plot of epoch time and efficiency (default: plan.png beside the "
                                       "--from-result or --from-study input, else runs/plan/plan.png)")
     return parser
@@ -78,21 +109,47 @@ def _compute_options(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--step-ms", type=float, metavar="MS",
                         help="a worker's step time measured elsewhere (e.g. on a GPU), in ms, instead of "
                              "profiling this machine; the model only gives the gradient size")
-    source.add_argument("--from-result", metavar="RESULT_JSON", help="take the compute time from a run's result.json")
+    source.add_argument("--from-result", metavar="RESULT_JSON",
+                        help="take the model, data, b and N from a run's result.json, and the compute time "
+                             "from its samples/s (or from --gpu)")
     parser.add_argument("--data", choices=config_names("data"),
                         help="the data the model trains on (conf/data/): its input shape, classes and N "
-                             "(default mnist1d)")
-    parser.add_argument("--input-shape", type=int, nargs="+", help="input shape of one sample (overrides --data's)")
+                             "(default mnist1d); custom: your own, with --dataset, --input-shape and "
+                             "--num-classes")
+    parser.add_argument("--dataset", metavar="FUNCTION",
+                        help="with --data custom: your data's function, package.module.function (data.dataset), "
+                             "called once to count its training set unless --train-samples gives N")
+    parser.add_argument("--input-shape", type=dims, nargs="+", metavar="DIM",
+                        help="input shape of one sample, e.g. 40 or 3 32 32 (overrides --data's)")
     parser.add_argument("--num-classes", type=int, help="classes (overrides --data's)")
-    parser.add_argument("--per-worker-batch", "-b", type=int, help="b, samples per worker per step (default 64)")
+    parser.add_argument("--per-worker-batch", "-b", type=int,
+                        help="b, samples per worker per step (default: the --from-result run's, else the --from-study "
+                             "recipe's per-GPU batch, else 64)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="where to profile: auto (this machine's GPU when it has one, else its CPU), cpu, cuda")
     parser.add_argument("--threads", type=int, help="threads for the profiling run (default: torch's)")
     parser.add_argument("--repeats", type=int, default=20, help="profiled steps, after 3 warm-up steps (default 20)")
+
+
+def _gpu_options(parser: argparse.ArgumentParser) -> None:
+    """A GPU preset instead of profiling: the model's FLOPs over a published peak x an assumed utilisation."""
+    presets = ", ".join(f"{g.name} ({g.label})" for g in GPUS.values())
+    parser.add_argument("--gpu", choices=list(GPUS), metavar="NAME",
+                        help=f"predict a worker's step on this GPU from the model's FLOPs and the GPU's published "
+                             f"dense peak (lbt/cost/gpu.py): {presets}")
+    parser.add_argument("--precision", choices=list(PRECISIONS),
+                        help="with --gpu: whose peak rate to use (default: the run's trainer.precision with "
+                             "--from-result, else fp32, lbt's default; bf16 for trainer.precision=bf16)")
+    parser.add_argument("--utilization", type=float, default=DEFAULT_UTILIZATION, metavar="FRACTION",
+                        help=f"with --gpu: the share of the peak a step reaches (model FLOPs utilisation; default "
+                             f"{DEFAULT_UTILIZATION:g}, typical of large models; small ones reach far less)")
 
 
 def _network_options(parser: argparse.ArgumentParser) -> None:
     """The network and what rides on it: bandwidth, latency, compression, overlap, delay, tensor parallelism."""
     presets = ", ".join(f"{n.name} ({n.bandwidth_gbps:g} Gb/s, {n.latency_us:g} us)" for n in NETWORKS.values())
-    parser.add_argument("--network", default="10gbe", choices=sorted(NETWORKS), help=f"preset: {presets}")
+    parser.add_argument("--network", default="10gbe", choices=list(NETWORKS), metavar="NAME",
+                        help=f"preset (sources: lbt/cost/data_parallel.py): {presets}")
     parser.add_argument("--bandwidth-gbps", type=float,
                         help="custom per-direction bandwidth, Gb/s (overrides --network)")
     parser.add_argument("--latency-us", type=float, help="custom per-message latency, us (overrides --network)")
@@ -107,6 +164,17 @@ def _network_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel", metavar="auto|T",
                         help="compare data parallelism alone with DP x T splits of each W (dist.tensor_parallel): "
                              "auto tries T = 2, 4, 8; a power of 2 T tries that one (see below)")
+
+
+def dims(text: str) -> list[int]:
+    """One --input-shape argument: 40, or a list as lbt train writes it, [3,32,32]."""
+    try:
+        values = [int(part) for part in text.strip("[]").split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a shape (give 40, or 3 32 32, or [3,32,32])") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a shape of positive sizes")
+    return values
 
 
 def _network(options: argparse.Namespace) -> Network:
@@ -148,18 +216,16 @@ def plot_path(options: argparse.Namespace) -> Path:
 
 
 def plan_main(argv: list[str]) -> int:
-    """`lbt plan ARGS`: print the table over W, write the PNG; 0 on success, 2 on a usage error."""
-    parser = _parser()
+    """`lbt plan ARGS`: print the table over W, write the PNG; 0 on success, 2 on a usage error (one
+    `lbt: error:` line on stderr)."""
     try:
-        options = parser.parse_args(hydra_style(argv))
-    except SystemExit as done:  # --help (0) or an argparse error (2, already printed)
-        return int(done.code or 0)
-    try:
+        options = _parser().parse_args(hydra_style(argv))
         check_options(options)
         inputs = plan_inputs(options)
+    except SystemExit as done:  # --help
+        return int(done.code or 0)
     except (ValueError, OSError, KeyError, ConfigError) as error:
-        print(f"lbt plan: error: {error}", file=sys.stderr)
-        return 2
+        return usage_error(error)
     print_inputs(inputs, options)
     title = (f"b={inputs.compute.per_worker_batch}, {inputs.compute.num_params:,} params, {inputs.network.name} "
              f"({inputs.network.bandwidth_gbps:g} Gb/s, {inputs.network.latency_us:g} us), N={inputs.train_samples:,}"
@@ -169,8 +235,15 @@ def plan_main(argv: list[str]) -> int:
         return plan_splits(inputs, options, title)
     rows = scaling_rows(inputs.compute, inputs.network, worker_counts(options.max_workers), inputs.train_samples,
                         options.compression, options.overlap, inputs.critical_batch, options.delay)
-    return show(format_table(rows), summarize(rows, inputs.critical_batch),
+    return show(format_table(rows), summarize(rows, inputs.critical_batch, inputs.critical_name),
                 plot(rows, plot_path(options), title, inputs.critical_batch))
+
+
+def usage_error(error: BaseException) -> int:
+    """A mistake the user can fix: one line on stderr, exit code 2."""
+    message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    print(f"lbt: error: {message}", file=sys.stderr, flush=True)
+    return 2
 
 
 def show(table: str, summary: list[str], plotted: Path) -> int:
@@ -190,7 +263,11 @@ class PlanInputs:
     name: str
     network: Network
     train_samples: int
+    train_samples_from: str  # where N comes from, in words
     critical_batch: float | None
+    critical_why: str | None = None  # whose critical batch (a study's answer for a recipe), in words
+    critical_name: str | None = None  # the same in a few words, for the summary
+    warnings: tuple[str, ...] = ()
 
 
 def check_options(options: argparse.Namespace) -> None:
@@ -203,53 +280,129 @@ def check_options(options: argparse.Namespace) -> None:
         value = getattr(options, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if options.from_result and options.model:
-        raise ValueError("--from-result takes the model of its run: give --model or --from-result, not both")
+    if options.from_result and (options.model or options.data):
+        raise ValueError("--from-result takes the model and data of its run: give --model/--data or --from-result, "
+                         "not both")
     if options.step_ms is not None and not options.step_ms > 0:
         raise ValueError(f"--step-ms must be a positive time in ms, got {options.step_ms}")
+    if options.gpu and options.step_ms is not None:
+        raise ValueError("--gpu predicts the step time that --step-ms gives: give one of them")
+    if not options.gpu and (options.precision or options.utilization != DEFAULT_UTILIZATION):
+        raise ValueError("--precision and --utilization go with --gpu NAME (a step predicted from the model's FLOPs)")
+    if not 0.0 < options.utilization <= 1.0:
+        raise ValueError(f"--utilization must be in (0, 1], got {options.utilization}")
+    if options.recipe and not options.from_study:
+        raise ValueError("--recipe chooses whose answer --from-study takes: give --from-study DIR")
     if options.tensor_parallel is not None and (options.compression != "none" or options.delay):
         raise ValueError("--tensor-parallel: lbt's tensor-parallel runs average gradients without DDP's hooks, "
                          "so --compression and --delay do not apply to them; drop those")
+    if options.input_shape is not None:
+        options.input_shape = [d for arg in options.input_shape for d in arg]  # 3 32 32 and [3,32,32] alike
+
+
+def data_overrides(options: argparse.Namespace) -> list[str]:
+    """--data custom's required keys (conf/data/custom.yaml's ???) from --input-shape, --num-classes, --dataset."""
+    if options.data != "custom":
+        if options.dataset:
+            raise ValueError("--dataset names your data's function: it goes with --data custom")
+        return []
+    if not (options.dataset and options.input_shape and options.num_classes):
+        raise ValueError("--data custom is your own data, as lbt train's data=custom: give its function, its "
+                         "samples' shape and its classes (--dataset package.module.function --input-shape 40 "
+                         "--num-classes 2); N is its training set, counted by calling the function once, unless "
+                         "--train-samples gives it")
+    shape = ",".join(str(d) for d in options.input_shape)
+    return [f"data.dataset={options.dataset}", f"data.num_classes={options.num_classes}",
+            f"data.input_shape=[{shape}]"]
 
 
 def plan_inputs(options: argparse.Namespace) -> PlanInputs:
-    """The compute (from a result, a given step time, or profiled here), the model, the network and N."""
-    critical_batch = options.critical_batch
-    if options.from_study:
-        critical_batch = critical_batch_from_study(options.from_study)
-    if options.from_result:
-        compute, model, shape = compute_from_result(options.from_result)
-        if options.per_worker_batch and options.per_worker_batch != compute.per_worker_batch:
-            raise ValueError(f"--per-worker-batch {options.per_worker_batch} differs from the result's "
-                             f"{compute.per_worker_batch}: the measured time holds for that batch only")
+    """The compute (from a result, a given step time, a GPU preset, or profiled here), the model, the
+    network, N and the critical batch, with a warning for what the figures do not hold for."""
+    run = read_run(options.from_result) if options.from_result else None
+    study = critical_batch_from_study(options.from_study, options.recipe, run.recipe if run else None) \
+        if options.from_study else None
+    if run is not None:
+        model, data = run_parts(run)
         name = model.target
+        shape = data_shape(data)
+        b = options.per_worker_batch or run.per_worker_batch
+        if b != run.per_worker_batch and not options.gpu:
+            raise ValueError(f"--per-worker-batch {b} differs from the result's {run.per_worker_batch}: the "
+                             "measured time holds for that batch only (--gpu predicts any batch)")
     else:
         name = options.model or "cnn1d"
-        model, data = model_and_data(name, options.data or "mnist1d")
+        model, data = model_and_data(name, options.data or "mnist1d", data_overrides(options))
         shape = data_shape(data)
         shape = shape._replace(input_shape=tuple(options.input_shape or shape.input_shape),
                                num_classes=options.num_classes or shape.num_classes)
-        b = options.per_worker_batch or 64
-        compute = compute_from_step_ms(options.step_ms, model, shape, b, name) if options.step_ms is not None \
-            else profile_compute(model, shape, b, options.threads, options.repeats, name=name)
-    train_samples = options.train_samples or shape.num_train or 60000
-    return PlanInputs(compute, model, shape, name, _network(options), train_samples, critical_batch)
+        b = options.per_worker_batch or (study and study.per_worker_batch) or 64
+    compute, warnings = worker_compute(options, model, shape, b, name, run)
+    n, n_from = (options.train_samples, "given: --train-samples") if options.train_samples \
+        else train_samples(data, shape, run)
+    if study is not None and study.per_worker_batch and study.per_worker_batch != b:
+        warnings.append(f"the study ran {study.per_worker_batch} samples per GPU and this plan b={b}: the same "
+                        f"critical batch is reached at another W than the study's {study.world_size} GPUs")
+    critical = study.value if study is not None else options.critical_batch
+    return PlanInputs(compute, model, shape, name, _network(options), n, n_from, critical,
+                      study.why if study else None, study.name if study else None, tuple(warnings))
+
+
+def worker_compute(options: argparse.Namespace, model: Target, shape: DataShape, b: int, name: str,
+                   run: RunResult | None) -> tuple[Compute, list[str]]:
+    """A worker's compute per step, and warnings about what it holds for."""
+    if options.gpu:
+        precision = options.precision or run_precision(run)
+        compute = gpu_compute(model, shape, b, GPUS[options.gpu], precision, options.utilization, name)
+        launch_bound = compute.total_s < LAUNCH_BOUND_S
+        return compute, [f"a predicted step of {compute.total_s * 1e3:.3f} ms is below what a GPU runs a training "
+                         "step in: at this size a step is bound by kernel launches (a few us each), not FLOPs, so "
+                         "the step times below are lower bounds; measure a real step and give --step-ms"] \
+            if launch_bound else []
+    if run is not None:
+        return compute_from_result(options.from_result)[0], []
+    if options.step_ms is not None:
+        return compute_from_step_ms(options.step_ms, model, shape, b, name), []
+    has_gpu = torch.cuda.is_available()
+    device = "cuda" if options.device == "auto" and has_gpu else options.device.replace("auto", "cpu")
+    if device == "cuda" and not has_gpu:
+        raise ValueError("--device cuda: torch sees no GPU on this machine")
+    compute = profile_compute(model, shape, b, options.threads, options.repeats, name=name, device=device)
+    if device == "cuda":
+        return compute, []
+    where = "no GPU here: compute was profiled" if not has_gpu else "--device cpu: compute was profiled"
+    return compute, [f"{where} on this CPU, so every step time below is this CPU's, not a GPU's; for a GPU give "
+                     "--gpu NAME (a published throughput) or --step-ms measured on one"]
+
+
+def run_precision(run: RunResult | None) -> str:
+    """The precision a run trained in (its trainer.precision), fp32 without a run: lbt's default."""
+    trainer = (run.config.get("trainer") or {}) if run is not None else {}
+    return str(trainer.get("precision") or "fp32")
 
 
 def print_inputs(inputs: PlanInputs, options: argparse.Namespace) -> None:
-    """The lines above the table: the compute, the gradient, the network and the model of a step."""
+    """The lines above the table: warnings, the compute, the gradient, the network, N and the model of a step."""
     compute, network = inputs.compute, inputs.network
+    for warning in inputs.warnings:
+        print(f"warning: {warning}")
     nbytes = gradient_bytes(compute.num_params, options.compression)
     # The parts are medians; the table's W=1 row uses the mean step (what an epoch adds up to).
     mean_step = f"; mean step {compute.slowest_of(1) * 1e3:.2f} ms" if compute.step_samples else ""
-    print(f"compute: {compute.total_s * 1e3:.2f} ms per worker step at b={compute.per_worker_batch} "
-          f"(forward {compute.forward_s * 1e3:.2f} + backward {compute.backward_s * 1e3:.2f} + optimizer "
-          f"{compute.optimizer_s * 1e3:.2f} ms{mean_step}; {compute.source})")
+    print(f"compute: {compute.total_s * 1e3:.3f} ms per worker step at b={compute.per_worker_batch} "
+          f"(forward {compute.forward_s * 1e3:.3f} + backward {compute.backward_s * 1e3:.3f} + optimizer "
+          f"{compute.optimizer_s * 1e3:.3f} ms{mean_step}; {compute.source})")
+    if options.gpu:
+        print(f"gpu: {GPUS[options.gpu].source}; utilisation assumed {options.utilization:.0%} (--utilization): "
+              "large transformers reach 35-55% of the peak, convolutional nets and small models far less")
     print(f"gradient: {compute.num_params:,} parameters -> {nbytes / 1e6:,.3f} MB per allreduce "
           f"({'fp32' if options.compression == 'none' else options.compression})")
     print(f"network: {network.name}, {network.bandwidth_gbps:g} Gb/s, {network.latency_us:g} us ({network.source})")
+    print(f"N: {inputs.train_samples:,} training samples per epoch ({inputs.train_samples_from})")
+    if inputs.critical_why:
+        print(f"critical batch: B_crit={inputs.critical_batch:,.0f} ({inputs.critical_why})")
     print(f"model: step = slowest of W workers' compute + ring allreduce - min(allreduce, {options.overlap:g} x "
-          f"backward); epoch = N/(b W) steps, N={inputs.train_samples:,}")
+          f"backward); epoch = N/(b W) steps")
     if options.delay:
         print(f"gradient delay d={options.delay}: each allreduce overlaps the next step's compute, delayed step = "
               "max(slowest compute, allreduce) (the epoch column uses it); sync step = the line above")
@@ -261,13 +414,12 @@ def plan_splits(inputs: PlanInputs, options: argparse.Namespace, title: str) -> 
         split = model_split(inputs.model, inputs.shape, inputs.name)
         choices = tensor_parallel_options(options.tensor_parallel, options.max_workers)
     except ValueError as error:
-        print(f"lbt plan: error: {error}", file=sys.stderr)
-        return 2
+        return usage_error(error)
     rows = split_rows(inputs.compute, split, inputs.network, worker_counts(options.max_workers), choices,
                       inputs.train_samples, options.overlap, inputs.critical_batch)
     for line in describe_split(split, inputs.compute.per_worker_batch, choices, inputs.name):
         print(line)
-    return show(format_split_table(rows), summarize_splits(rows, inputs.critical_batch),
+    return show(format_split_table(rows), summarize_splits(rows, inputs.critical_batch, inputs.critical_name),
                 plot_splits(rows, plot_path(options), title, inputs.critical_batch))
 
 

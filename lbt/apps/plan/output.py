@@ -7,7 +7,7 @@ from pathlib import Path
 from lbt.apps.plotting import figure, save_figure
 from lbt.cost.data_parallel import ScalingRow
 from lbt.cost.tensor_parallel import DenseSplit, SplitRow
-from lbt.parallel.tensor_parallel import why_not
+from lbt.parallel.tensor_parallel import Split, why_not
 
 
 def _ms(seconds: float) -> str:
@@ -53,7 +53,7 @@ def format_table(rows: list[ScalingRow]) -> str:
             notes.append("B > B_crit")
         if r.beyond_dataset:
             notes.append("B > N")
-        steps = [_ms(r.synchronous_step_s), _ms(r.step_s)] if delayed else [_ms(r.step_s)]
+        steps = [_ms(r.synchronous_step_s or 0.0), _ms(r.step_s)] if delayed else [_ms(r.step_s)]
         lines.append([
             str(r.workers), f"{r.global_batch:,}", _ms(r.compute_s), _ms(r.allreduce_s), *steps,
             _duration(r.epoch_s), f"{r.speedup:,.2f}x", f"{r.efficiency:.0%}", ", ".join(notes),
@@ -61,26 +61,48 @@ def format_table(rows: list[ScalingRow]) -> str:
     return aligned(lines)
 
 
-def summarize(rows: list[ScalingRow], critical_batch: float | None) -> list[str]:
-    best = min(rows, key=lambda r: r.epoch_s)
+def summarize(rows: list[ScalingRow], critical_batch: float | None, critical_why: str | None = None) -> list[str]:
+    """The lines under the table. A row whose global batch exceeds N (less than one step per epoch: its epoch
+    time means nothing) stays in the table, flagged, but never heads a line."""
+    usable = [r for r in rows if not r.beyond_dataset]
+    b = rows[0].global_batch // rows[0].workers
+    if not usable:
+        return [f"no W fits the data: even one worker's batch b={b} exceeds N, the training samples per epoch "
+                "(lower --per-worker-batch)"]
+    best = min(usable, key=lambda r: r.epoch_s)
     lines = [f"fastest epoch: W={best.workers} ({_duration(best.epoch_s)}, {best.speedup:.1f}x W=1, "
              f"efficiency {best.efficiency:.0%})"]
-    slower = [r.workers for r in rows if r.slower]
+    safe = [r for r in usable if not r.beyond_critical]
+    if critical_batch is not None and best.beyond_critical and safe:
+        fastest_safe = min(safe, key=lambda r: r.epoch_s)
+        lines.append(f"fastest epoch within B_crit: W={fastest_safe.workers} ({_duration(fastest_safe.epoch_s)}, "
+                     f"{fastest_safe.speedup:.1f}x W=1, efficiency {fastest_safe.efficiency:.0%})")
+    slower = [r.workers for r in usable if r.slower]
     if slower:
         lines.append(f"adding workers slows the epoch from W={slower[0]} on "
                      "(communication outgrows the compute it saves)")
-    half = [r.workers for r in rows if r.efficiency < 0.5]
+    half = [r.workers for r in usable if r.efficiency < 0.5]
     if half:
         lines.append(f"scaling efficiency falls below 50% at W={half[0]}")
+    if len(usable) < len(rows):
+        lines.append(f"from W={rows[len(usable)].workers} on the global batch exceeds N (B > N: less than one step "
+                     "per epoch); those rows are never chosen")
     if critical_batch is not None:
-        beyond = [r.workers for r in rows if r.beyond_critical]
-        last_ok = [r.workers for r in rows if not r.beyond_critical]
-        if beyond:
-            lines.append(f"critical batch B_crit={critical_batch:,.0f}: global batch exceeds it from W={beyond[0]} on "
-                         f"(accuracy expected to suffer; largest safe W here: {last_ok[-1] if last_ok else 'none'})")
-        else:
-            lines.append(f"critical batch B_crit={critical_batch:,.0f}: not reached up to W={rows[-1].workers}")
+        lines.append(critical_line(rows, b, critical_batch, critical_why))
     return lines
+
+
+def critical_line(rows: list[ScalingRow], b: int, critical_batch: float, critical_why: str | None) -> str:
+    """Where the global batch b x W passes the critical batch, and the largest W that stays within it."""
+    named = f"critical batch B_crit={critical_batch:,.0f}" + (f" ({critical_why})" if critical_why else "")
+    beyond = [r.workers for r in rows if r.beyond_critical]
+    largest = int(critical_batch // b)
+    if not beyond:
+        return f"{named}: not reached up to W={rows[-1].workers}"
+    if largest < 1:
+        return f"{named}: even W=1's global batch {b:,} exceeds it (accuracy expected to suffer at every W)"
+    return (f"{named}: global batch exceeds it from W={beyond[0]} on (accuracy expected to suffer); largest safe "
+            f"W at b={b}: {largest} (global batch {largest * b:,})")
 
 
 def plot(rows: list[ScalingRow], path: str | Path, title: str, critical_batch: float | None) -> Path:
@@ -93,8 +115,9 @@ def plot(rows: list[ScalingRow], path: str | Path, title: str, critical_batch: f
     ax_eff.plot(ws, [r.efficiency for r in rows], "o-", color="tab:green", label="scaling efficiency")
     ax_eff.set_ylim(0, 1.05)
     ax_eff.set_ylabel("efficiency = speedup / W")
-    slower = [r.workers for r in rows if r.slower]
+    slower = [r.workers for r in rows if r.slower and not r.beyond_dataset]
     beyond = [r.workers for r in rows if r.beyond_critical]
+    past_n = [r.workers for r in rows if r.beyond_dataset]
     for ax in (ax_time, ax_eff):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("workers W")
@@ -104,6 +127,8 @@ def plot(rows: list[ScalingRow], path: str | Path, title: str, critical_batch: f
         if beyond:
             ax.axvspan(beyond[0], ws[-1], color="tab:orange", alpha=0.15,
                        label=f"b·W > B_crit={critical_batch:,.0f}")
+        if past_n:
+            ax.axvspan(past_n[0], ws[-1], color="gray", alpha=0.2, label="b·W > N (< 1 step per epoch)")
         ax.legend(fontsize=8)
     return save_figure(fig, path, title, dpi=110)
 
@@ -123,19 +148,27 @@ def format_split_table(rows: list[SplitRow]) -> str:
     return aligned(lines)
 
 
-def summarize_splits(rows: list[SplitRow], critical_batch: float | None) -> list[str]:
+def summarize_splits(rows: list[SplitRow], critical_batch: float | None,
+                     critical_why: str | None = None) -> list[str]:
     chosen = [r for r in rows if r.recommended]
     lines = ["recommended split per W: " + ", ".join(f"W={r.workers}: {r.data_parallel} x {r.tensor_parallel}"
                                                       for r in chosen)]
     hybrid = [r for r in chosen if r.tensor_parallel > 1]
-    rule = "fastest epoch" + (f" with global batch <= B_crit={critical_batch:,.0f}" if critical_batch else "")
+    rule = "fastest epoch" + (f" with global batch <= B_crit={critical_batch:,.0f}" if critical_batch else "") \
+        + " and <= N"
     if hybrid:
         lines.append(f"tensor parallelism recommended from W={hybrid[0].workers} on ({rule})")
     else:
         lines.append(f"data parallelism alone at every W ({rule})")
+    if critical_why:
+        lines.append(f"B_crit={critical_batch:,.0f}: {critical_why}")
     stuck = [r.workers for r in chosen if r.beyond_critical]
     if stuck:
         lines.append(f"from W={stuck[0]} on every split's global batch exceeds B_crit: the one closest to it is shown")
+    past_n = [r.workers for r in chosen if r.beyond_dataset]
+    if past_n:
+        lines.append(f"from W={past_n[0]} on every split's global batch exceeds N (less than one step per epoch): "
+                     "the smallest is shown, its epoch time means nothing")
     return lines
 
 
@@ -164,20 +197,49 @@ def plot_splits(rows: list[SplitRow], path: str | Path, title: str, critical_bat
     return save_figure(fig, path, title, dpi=110)
 
 
+def layer_words(split: DenseSplit, index: int) -> str:
+    """One split layer in plain words: `layer 11 (Linear 64 -> 10), split by its 10 outputs`."""
+    layer = split.layers[index]
+    size = f" (Linear {split.sizes[index][0]:,} -> {split.sizes[index][1]:,})" if index < len(split.sizes) else ""
+    return f"layer {layer.name}{size}, split by its {layer.width:,} {unit_words(layer)}" + \
+        (", gathered back after it" if layer.style == "gather" else "")
+
+
+def unit_words(layer: Split) -> str:
+    """What a split layer shares out among the T GPUs: its outputs, its inputs or its attention heads."""
+    if layer.unit == "heads":
+        return "attention heads"
+    return "inputs" if layer.style == "rowwise" else "outputs"
+
+
+def impossible_words(split: DenseSplit, tensor_parallel: int) -> str | None:
+    """Why T GPUs cannot share this model's dense layers, in plain words (None: they can)."""
+    if why_not(list(split.layers), tensor_parallel) is None:
+        return None
+    for i, layer in enumerate(split.layers):
+        if layer.width % tensor_parallel:
+            size = f" (Linear {split.sizes[i][0]:,} -> {split.sizes[i][1]:,})" if i < len(split.sizes) else ""
+            return (f"its layer {layer.name}{size} is split by its {layer.width:,} {unit_words(layer)}, which "
+                    f"{tensor_parallel} GPUs cannot share equally")
+    return "it has no dense layer lbt can split (pairs of Linear layers, attention heads, or a model's only Linear)"
+
+
 def describe_split(split: DenseSplit, per_worker_batch: int, tensor_parallel: list[int], name: str) -> list[str]:
     """What the rule splits in this model, what it sends per step and which T it rules out: the lines
     above the table."""
-    impossible = [f"note: T={t} impossible for {name}: {why_not(list(split.layers), t)} (left out of the table)"
-                  for t in tensor_parallel if why_not(list(split.layers), t)]
+    impossible = [f"note: T={t} impossible for {name}: {impossible_words(split, t)} (left out of the table)"
+                  for t in tensor_parallel if impossible_words(split, t)]
     if not split.layers:
-        return [f"tensor parallel: {name} has nothing to split (no Linear pair, no only Linear): DP only", *impossible]
-    layers = ", ".join(f"{name}.{layer.name} ({layer.style})" for layer in split.layers)
+        return [f"tensor parallel: {name} has nothing to split (no pair of Linear layers, no lone Linear): "
+                "data parallelism only", *impossible]
+    layers = "; ".join(layer_words(split, i) for i in range(len(split.layers)))
     kinds = [(c.op, c.phase, c.bytes_per_sample) for c in split.collectives]
-    sends = ", ".join(f"{kinds.count(k)} x {k[0]} {k[1]} of {per_worker_batch * k[2] / 1e3:,.1f} kB"
-                      for k in dict.fromkeys(kinds)) or "nothing"
-    return [f"tensor parallel: splits {layers}; {split.sharded_params:,} of "
-            f"{split.sharded_params + split.replicated_params:,} parameters sharded, "
-            f"{split.dense_share:.1%} of the FLOPs",
-            f"  per step among the T ranks at b={per_worker_batch}: {sends}",
+    ops = {"allreduce": "allreduce", "allgather": "all-gather"}
+    sends = ", ".join(f"{kinds.count(k)} {ops[k[0]]}{'s' if kinds.count(k) > 1 else ''} in the {k[1]} pass of "
+                      f"{per_worker_batch * k[2] / 1e3:,.1f} kB" for k in dict.fromkeys(kinds)) or "nothing"
+    return [f"tensor parallel: each of the T GPUs of a group holds 1/T of {name}'s {layers}; "
+            f"{split.sharded_params:,} of {split.sharded_params + split.replicated_params:,} parameters shared out "
+            f"this way, {split.dense_share:.1%} of the FLOPs",
+            f"  per step among the T GPUs at b={per_worker_batch}: {sends}",
             "  step = compute x (1 - s + s/T) + activation collectives over T + gradient allreduce over DP of "
             "(replicated + sharded/T) x 4 bytes; DP x 1 rows are the data-parallel model above", *impossible]
