@@ -15,9 +15,10 @@ Check"). `lbt tune` runs one protocol for every cell of a grid:
         tune.seeds fresh seeds and scored on val and, once, on test
     tune_report.md, tune_summary.json, best_lr_vs_batch.png
 
-The trials live in an Optuna SQLite storage, one Optuna study per cell, so the same
-command again runs only what is missing and `optuna-dashboard sqlite:///<dir>/optuna.db`
-shows them. Folder layout:
+The trials live in an Optuna storage (tune.storage: SQLite in tune.dir by default, a journal file,
+or a database server; storage.py), one Optuna study per cell, so the same command again runs only
+what is missing and `optuna-dashboard sqlite:///<dir>/optuna.db` shows them. Many workers (tune.workers,
+or several `lbt tune` commands on one tune.dir) share the trials of every cell: workers.py. Folder layout:
 
     <tune.dir>/optuna.db
     <tune.dir>/trials/<cell>/<number>/           a trial's run folder (no result.json if pruned)
@@ -27,7 +28,8 @@ shows them. Folder layout:
     <tune.dir>/tune_report.md, tune_summary.json, best_lr_vs_batch.png
 
 grid.py reads the command line into cells, trials.py runs a cell's trials, finals.py its final runs,
-report.py writes the report; command.py ties them together. Optuna is optional (`lbt[tune]`), so it is
+report.py writes the report, storage.py opens the trials' storage, workers.py is each worker's loop;
+command.py ties them together. Optuna is optional (`lbt[tune]`), so it is
 imported only once `lbt tune` is asked for.
 """
 
@@ -50,7 +52,9 @@ the same command again continues an interrupted tune.
 
 tune.* keys: trials, seeds, seed, startup_trials, pruner (median|halving|hyperband|none),
 prune_startup_trials, prune_after, dir, grid, metric (acc: maximise val accuracy; loss: minimise
-val loss). A recipe's search space is its `tune.space` (recipes/*.yaml).
+val loss), storage (sqlite | journal | a database URL; unset: $LBT_TUNE_STORAGE or sqlite), workers
+(processes running trials at once), heartbeat (seconds). A recipe's search space is its `tune.space`
+(recipes/*.yaml). Many machines: docs/tuning.md, "Tuning on a cluster".
 """
 
 

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import optuna
 
-from lbt.apps.tune.finals import earlier_cells, finish_cell
-from lbt.apps.tune.grid import tune_grid
-from lbt.apps.tune.report import summarize, write_tune_report
-from lbt.apps.tune.trials import Stopped, open_study, tune_cell
+from lbt.apps.tune.grid import TuneGrid, tune_grid
+from lbt.apps.tune.storage import TuneStorage, claim_lock, open_storage
+from lbt.apps.tune.trials import Stopped, open_study
+from lbt.apps.tune.workers import HELPER, helpers, work, write_report_once
 from lbt.errors import ConfigError
 
 
 def tune(args: list[str]) -> dict | None:
-    """Tune every cell, train the finals, write the report; return its summary (None if stopped)."""
+    """Tune every cell, train the finals, write the report; return its summary (None if stopped).
+
+    This process is one worker (workers.py); tune.workers=N starts N - 1 more beside it, and other
+    `lbt tune` commands on the same tune.dir and storage are workers of the same tune.
+    """
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # one line per trial is printed here instead
     grid = tune_grid(args)
     folder, s = grid.settings.dir, grid.settings
@@ -22,28 +27,37 @@ def tune(args: list[str]) -> dict | None:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise ConfigError(f"tune.dir={folder}: cannot create the tune folder: {error.strerror or error}") from None
-    storage = optuna.storages.RDBStorage(f"sqlite:///{folder / 'optuna.db'}")
-    print(f"tune: {count(len(grid.cells), 'cell')} x {count(s.trials, 'trial')} (TPE, seed {s.seed}; pruner "
-          f"{s.pruner}), then the best{' and the defaults' if s.untuned else ''} x {count(s.seeds, 'seed')}; "
-          f"folder {folder}", flush=True)
+    storage = open_storage(s.storage, folder, s.heartbeat)
+    helper = bool(os.environ.get(HELPER))
+    if not helper:
+        say_plan(grid, storage)
     started, new_runs = time.perf_counter(), {"trials": 0, "finals": 0}
     # Every cell's study is opened (and checked against this command) before any trial runs.
-    studies = [open_study(storage, grid, cell) for cell in grid.cells]
+    with claim_lock(folder):
+        studies = [open_study(storage.optuna, grid, cell) for cell in grid.cells]
     try:
-        cells = []
-        for cell, study in zip(grid.cells, studies):
-            tune_cell(grid, cell, study, new_runs)
-            cells.append(finish_cell(grid, cell, study, new_runs))
+        with helpers(args, 1 if helper else s.workers):
+            work(grid, storage, studies, new_runs)
+        summary, written = write_report_once(grid, storage)
     except (Stopped, KeyboardInterrupt):
         print(f"tune: stopped; run the same command again to continue ({folder})", flush=True)
         return None
-    summary = summarize(grid, cells + earlier_cells(grid, cells))
-    write_tune_report(folder, summary)
+    if helper:
+        return summary
     print(f"tune finished in {time.perf_counter() - started:.0f} s: {count(new_runs['trials'], 'new trial')}, "
-          f"{count(new_runs['finals'], 'new final run')}", flush=True)
-    print(f"report: {folder / 'tune_report.md'}; trials: optuna-dashboard sqlite:///{folder / 'optuna.db'}; "
+          f"{count(new_runs['finals'], 'new final run')}{' in this process' if s.workers > 1 else ''}", flush=True)
+    current = "" if written else " (current: written by another worker, or before)"
+    print(f"report: {folder / 'tune_report.md'}{current}; trials: optuna-dashboard {storage.dashboard}; "
           f"final runs, tuned vs untuned: lbt report {folder / 'final'}", flush=True)
     return summary
+
+
+def say_plan(grid: TuneGrid, storage: TuneStorage) -> None:
+    s = grid.settings
+    workers = f"; {s.workers} workers" if s.workers > 1 else ""
+    print(f"tune: {count(len(grid.cells), 'cell')} x {count(s.trials, 'trial')} (TPE, seed {s.seed}; pruner "
+          f"{s.pruner}), then the best{' and the defaults' if s.untuned else ''} x {count(s.seeds, 'seed')}; "
+          f"folder {s.dir}; trials in {storage.shown}{workers}", flush=True)
 
 
 def count(n: int, noun: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -22,6 +23,8 @@ from lbt.apps.tune.trials import (
 from lbt.metrics.spread import mean_std
 from lbt.paths import atomic_write
 from lbt.spec.result import RunResult, read_result
+
+KEY = "finals_key"  # in cells/<cell>.json: the finals_key its runs were trained for
 
 
 def finish_cell(grid: TuneGrid, cell: Cell, study: optuna.Study, new_runs: dict) -> dict:
@@ -57,9 +60,35 @@ def finish_cell(grid: TuneGrid, cell: Cell, study: optuna.Study, new_runs: dict)
     summary["default"] = final_runs(grid, cell, "default", {}, seeds if grid.settings.untuned else [], new_runs)
     summary["overrides"] = identity_overrides(grid)
     (grid.settings.dir / "cells").mkdir(exist_ok=True)
-    atomic_write(grid.settings.dir / "cells" / f"{cell.folder}.json",
-                 lambda f: f.write(json.dumps(summary, indent=2).encode()))
+    written = {**summary, KEY: finals_key(grid, study)}
+    atomic_write(cell_path(grid, cell), lambda f: f.write(json.dumps(written, indent=2).encode()))
     return summary
+
+
+def cell_path(grid: TuneGrid, cell: Cell) -> Path:
+    return grid.settings.dir / "cells" / f"{cell.folder}.json"
+
+
+def finals_key(grid: TuneGrid, study: optuna.Study) -> str:
+    """What a cell's final runs and its part of the report follow from: its trials and the finals' settings."""
+    s = grid.settings
+    trials = [[t.number, t.state.name, t.value] for t in study.get_trials(deepcopy=False)]
+    return json.dumps({"trials": trials, "seeds": s.seeds, "untuned": s.untuned, "metric": s.metric.name,
+                       "overrides": identity_overrides(grid)})
+
+
+def read_cell(path: Path) -> tuple[dict, str | None]:
+    """A finished cell's summary (cells/<cell>.json) and the finals_key it was written for."""
+    cell = json.loads(path.read_text())
+    return cell, cell.pop(KEY, None)
+
+
+def finished(grid: TuneGrid, cell: Cell, study: optuna.Study) -> bool:
+    """Whether the cell's final runs and summary are done for the trials it has now."""
+    try:
+        return read_cell(cell_path(grid, cell))[1] == finals_key(grid, study)
+    except (OSError, ValueError):
+        return False
 
 
 def earlier_cells(grid: TuneGrid, cells: list[dict]) -> list[dict]:
@@ -67,7 +96,7 @@ def earlier_cells(grid: TuneGrid, cells: list[dict]) -> list[dict]:
     names, found = {c["cell"] for c in cells}, []
     for path in sorted((grid.settings.dir / "cells").glob("*.json")):
         try:
-            cell = json.loads(path.read_text())
+            cell = read_cell(path)[0]
         except (OSError, ValueError):
             continue  # being written by another process, or not ours
         same = cell.get("overrides") == identity_overrides(grid) \

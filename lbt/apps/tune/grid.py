@@ -37,6 +37,9 @@ class Settings:
     dir: Path
     metric: Metric  # what trials are selected on: final val accuracy (maximised) or loss (minimised)
     untuned: bool = True  # also train the recipe's untuned defaults with the seeds (the "default" runs)
+    storage: str | None = None  # sqlite | journal | journal:PATH | a database URL (None: $LBT_TUNE_STORAGE or sqlite)
+    workers: int = 1  # processes this command runs trials in (each a worker of tune/storage.py)
+    heartbeat: int = 10  # seconds between a running trial's heartbeats (a worker gone 3 heartbeats: retried)
 
     @classmethod
     def from_config(cls, node: dict) -> Settings:
@@ -51,6 +54,9 @@ class Settings:
             dir=Path(str(node.get("dir") or "runs/tune/default")).expanduser().absolute(),
             metric=metric_named(str(node.get("metric", "acc")), "tune.metric"),
             untuned=bool(one_of("tune.untuned", node.get("untuned", True), (True, False))),
+            storage=None if node.get("storage") is None else str(node["storage"]),
+            workers=integer("tune.workers", node.get("workers", 1), 1, 256),
+            heartbeat=integer("tune.heartbeat", node.get("heartbeat", 10), 1),
         )
 
 

@@ -53,14 +53,17 @@ def lr_fit(series: str, members: list[dict]) -> dict[str, Any]:
     return fit
 
 
-def summarize(grid: TuneGrid, cells: list[dict]) -> dict:
-    """tune_summary.json: the protocol, every cell, and per curve the fitted exponent of the best peak LR."""
+def summarize(grid: TuneGrid, cells: list[dict], storage: str) -> dict:
+    """tune_summary.json: the protocol, every cell, and per curve the fitted exponent of the best peak LR.
+
+    `storage`: what `optuna-dashboard` opens the trials with (a URL's password hidden).
+    """
     fits = [lr_fit(series, [c for c in cells if c["series"] == series])
             for series in dict.fromkeys(c["series"] for c in cells)]
     s = grid.settings
     return {
         "gaps": gaps_to_base(cells, s.metric),
-        "tune_dir": str(s.dir), "storage": f"sqlite:///{s.dir / 'optuna.db'}",
+        "tune_dir": str(s.dir), "storage": storage,
         "settings": {"trials": s.trials, "seeds": s.seeds, "seed": s.seed, "startup_trials": s.startup_trials,
                      "pruner": s.pruner, "prune_startup_trials": s.prune_startup_trials,
                      "prune_after": s.prune_after, "sampler": "multivariate TPE", "metric": s.metric.name,

@@ -8,6 +8,7 @@ import math
 import os
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import optuna
 
 from lbt.apps.compose import compose
 from lbt.apps.tune.grid import Cell, TuneGrid
+from lbt.apps.tune.storage import TuneStorage, claim_lock, fail_stale, heartbeat, mark_mine, redacted, storage_name
 from lbt.engine import make_spec, run
 from lbt.errors import ConfigError
 from lbt.spec.objective import ACC, Metric
@@ -90,68 +92,95 @@ def identity_overrides(grid: TuneGrid) -> list[str]:
     return sorted(o for o in grid.fixed if o.split("=", 1)[0].lstrip("+~") not in PRESENTATION_KEYS)
 
 
-def tune_cell(grid: TuneGrid, cell: Cell, study: optuna.Study, new_runs: dict) -> None:
-    """Run the cell's trials until it has tune.trials finished or pruned ones."""
+@dataclass
+class Claim:
+    """A trial this worker took: its slot in the cell (0 .. tune.trials - 1) and whether pruning is armed."""
+
+    trial: optuna.Trial
+    slot: int
+    armed: bool  # the cell has prune_startup_trials finished trials, so the pruner has something to compare with
+
+
+def claim_trial(grid: TuneGrid, cell: Cell, study: optuna.Study, storage: TuneStorage) -> Claim | None:
+    """Take the cell's next free trial slot, or None when every slot is done or running in some worker.
+
+    Under tune.dir's lock, so two workers never both take the last slot: stale trials (their worker is gone)
+    are failed, freeing their slots; finished, pruned, running and waiting trials hold theirs.
+    """
     s = grid.settings
-    done_states = (TrialState.COMPLETE, TrialState.PRUNED)
-    for stale in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        # A trial left running by a process that was killed: it is run again, as a new trial.
-        study.tell(stale.number, state=TrialState.FAIL, skip_if_finished=True)
-    done = len(study.get_trials(deepcopy=False, states=done_states))
-    if done >= s.trials:
-        print(f"[{cell.name}] {done} of {s.trials} trials done before", flush=True)
-    while done < s.trials:
-        # Seeded per trial, so a trial redone after an interruption draws what it drew then; the seed is
-        # hashed from (tune.seed, trial), since consecutive seeds give NumPy's RandomState close first draws.
-        seed = int(numpy.random.SeedSequence([s.seed, done]).generate_state(1)[0])
-        with warnings.catch_warnings():
+    with claim_lock(storage.folder):
+        for number in fail_stale(storage, study):
+            print(f"[{cell.name}] trial {number}: its worker is gone (no heartbeat for {storage.grace} s); "
+                  "it is run again as a new trial", flush=True)
+        held = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, TrialState.WAITING)
+        slot = len(study.get_trials(deepcopy=False, states=held))
+        if slot >= s.trials:
+            return None
+        # Seeded per slot, so a trial redone after an interruption draws what it drew then (in the random
+        # startup trials at least); the seed is hashed from (tune.seed, slot), since consecutive seeds give
+        # NumPy's RandomState close first draws.
+        seed = int(numpy.random.SeedSequence([s.seed, slot]).generate_state(1)[0])
+        finished = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+        with warnings.catch_warnings():  # multivariate TPE is experimental; the heartbeat is ours (storage.py)
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            warnings.filterwarnings("ignore", "Heartbeat of storage")
             study.sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=s.startup_trials,
                                                        multivariate=True)
-        finished = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
-        run_trial(study, grid, cell, done, armed=finished >= s.prune_startup_trials)
-        new_runs["trials"] += 1
-        done = len(study.get_trials(deepcopy=False, states=done_states))
+            trial = study.ask()
+        mark_mine(storage, trial)
+    return Claim(trial, slot, armed=finished >= s.prune_startup_trials)
 
 
-def run_trial(study: optuna.Study, grid: TuneGrid, cell: Cell, done: int, armed: bool) -> None:
+def run_trial(study: optuna.Study, grid: TuneGrid, cell: Cell, claim: Claim, storage: TuneStorage) -> None:
     """One trial: sample the space, train, tell Optuna the final val accuracy or loss (tune.metric; or pruned,
-    or the metric's worst value if diverged).
-
-    `armed`: the cell has prune_startup_trials finished trials, so the pruner has something to compare with.
+    or the metric's worst value if diverged). Its heartbeat runs while it trains.
     """
-    trial = study.ask()
+    trial = claim.trial
     params = {key: suggest(trial, key, values) for key, values in cell.space.items()}
     overrides = [f"{key}={hydra_value(value)}" for key, value in params.items()]
     metric = grid.settings.metric
-    pruning = PruneOnVal(trial, grid.settings.prune_after if armed else None, metric)
+    pruning = PruneOnVal(trial, grid.settings.prune_after if claim.armed else None, metric)
     started, shown = time.perf_counter(), shown_values(params)
-    head = f"[{cell.name}] trial {trial.number} ({done + 1}/{grid.settings.trials})"
+    head = f"[{cell.name}] trial {trial.number} ({claim.slot + 1}/{grid.settings.trials})"
     try:
-        result = train_run(grid, cell, overrides, grid.settings.dir / "trials" / cell.folder / str(trial.number),
-                           {"params": params}, [pruning])
+        with heartbeat(storage, trial._trial_id):
+            result = train_run(grid, cell, overrides, grid.settings.dir / "trials" / cell.folder / str(trial.number),
+                               {"params": params}, [pruning])
     except optuna.TrialPruned as error:
-        study.tell(trial, state=TrialState.PRUNED)
+        tell(study, trial, state=TrialState.PRUNED)
         print(f"{head}: pruned ({error}) {shown} ({time.perf_counter() - started:.0f} s)", flush=True)
         return
     except ConfigError as error:  # e.g. a sampled value the config refuses
-        study.tell(trial, state=TrialState.FAIL)
+        tell(study, trial, state=TrialState.FAIL)
         raise ConfigError(f"[{cell.name}] trial {trial.number} ({shown}): {error}") from None
     except BaseException:  # a crash or Ctrl-C: the trial is run again, as a new one, next time
-        study.tell(trial, state=TrialState.FAIL)
+        tell(study, trial, state=TrialState.FAIL)
         raise
     if result.stopped:
-        study.tell(trial, state=TrialState.FAIL)
+        tell(study, trial, state=TrialState.FAIL)
         raise Stopped
     value = final_value(result, metric)
     for key in ("global_batch", "base_lr", "peak_lr"):
         trial.set_user_attr(key, getattr(result, key))
     trial.set_user_attr("diverged", value is None)
     # A diverged trial spent the budget like any other: it counts, with the worst value (accuracy 0, loss inf).
-    study.tell(trial, metric.worst if value is None else value)
+    tell(study, trial, metric.worst if value is None else value)
     state = f"diverged, counted as val_{metric.name}={metric.worst:g}" if value is None \
         else f"val_{metric.name}={value:.4f}"
     print(f"{head}: {state} {shown} ({time.perf_counter() - started:.0f} s)", flush=True)
+
+
+def tell(study: optuna.Study, trial: optuna.Trial, value: float | None = None,
+         state: TrialState | None = None) -> None:
+    """study.tell, unless the trial was already finished: taken as stale by another worker (this one stalled
+    longer than the grace period), whose retry counts instead; said in one line."""
+    try:
+        study.tell(trial, value, state=state)
+    except (ValueError, RuntimeError, optuna.exceptions.UpdateFinishedTrialError) as error:
+        if "Cannot tell" not in str(error) and not isinstance(error, optuna.exceptions.UpdateFinishedTrialError):
+            raise
+        print(f"trial {trial.number}: already failed by another worker (no heartbeat for too long): "
+              "its result is not counted, its retry is", flush=True)
 
 
 def final_value(result: RunResult, metric: Metric) -> float | None:
@@ -173,6 +202,8 @@ def train_run(grid: TuneGrid, cell: Cell, overrides: list[str], run_dir: Path, t
     config = composed.config
     config["tune"] = {**{k: v for k, v in (config.get("tune") or {}).items() if k not in ("grid", "space")},
                       "cell": cell.name, **tune_record}
+    if config["tune"].get("storage") is not None:  # result.json never holds the storage's password
+        config["tune"]["storage"] = redacted(storage_name(config["tune"]["storage"]))
     if resume:
         config["trainer"]["resume"] = "auto"
     shown = overrides if shown_overrides is None else shown_overrides

@@ -1,0 +1,121 @@
+"""A tune's workers: every process of `tune.workers=N`, and every `lbt tune` on the same tune.dir, runs this loop.
+
+    until every cell of the grid is finished:
+        a cell whose trials are all done and whose final runs no worker holds: train its finals
+        else a free trial slot in any cell (claimed under tune.dir's lock): run that trial
+        else wait: the other workers' trials are running (a dead worker's trial is retried once stale)
+    the report, written once: by the first worker to see every cell finished (the others find it current)
+
+The lock around a claim is what keeps a cell at exactly tune.trials trials; the heartbeat
+(storage.py) is what frees the slot of a worker that died mid-trial.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import optuna
+
+from lbt.apps.tune.finals import cell_path, earlier_cells, finish_cell, finished, read_cell
+from lbt.apps.tune.grid import TuneGrid
+from lbt.apps.tune.report import summarize, write_tune_report
+from lbt.apps.tune.storage import TuneStorage, cell_lock, claim_lock
+from lbt.apps.tune.trials import TrialState, claim_trial, run_trial
+
+HELPER = "LBT_TUNE_HELPER"  # set in the extra processes of tune.workers=N: they leave the talking to the first
+
+
+def work(grid: TuneGrid, storage: TuneStorage, studies: list[optuna.Study], new_runs: dict) -> None:
+    """Finals, trials, or a wait, until every cell of the grid is finished (by this worker or others)."""
+    for cell, study in zip(grid.cells, studies):
+        if finished(grid, cell, study) and not os.environ.get(HELPER):
+            print(f"[{cell.name}] done before: its trials and final runs", flush=True)
+    waited = False
+    while True:
+        if finish_next_cell(grid, studies, new_runs) or run_next_trial(grid, storage, studies, new_runs):
+            waited = False
+            continue
+        left = [cell.name for cell, study in zip(grid.cells, studies) if not finished(grid, cell, study)]
+        if not left:
+            return
+        if not waited:
+            print(f"tune: waiting for other workers ({', '.join(left)})", flush=True)
+        waited = True
+        time.sleep(min(storage.heartbeat, 2))
+
+
+def run_next_trial(grid: TuneGrid, storage: TuneStorage, studies: list[optuna.Study], new_runs: dict) -> bool:
+    """Claim and run the first free trial slot of the grid; False if there is none."""
+    for cell, study in zip(grid.cells, studies):
+        claim = claim_trial(grid, cell, study, storage)
+        if claim is not None:
+            run_trial(study, grid, cell, claim, storage)
+            new_runs["trials"] += 1
+            return True
+    return False
+
+
+def trials_done(grid: TuneGrid, study: optuna.Study) -> bool:
+    """tune.trials finished or pruned trials, and none running or waiting in any worker."""
+    trials = study.get_trials(deepcopy=False)
+    counted = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
+    return counted >= grid.settings.trials and not any(t.state in (TrialState.RUNNING, TrialState.WAITING)
+                                                      for t in trials)
+
+
+def finish_next_cell(grid: TuneGrid, studies: list[optuna.Study], new_runs: dict) -> bool:
+    """Train the final runs of the first cell that is ready for them and that no other worker is finishing."""
+    for cell, study in zip(grid.cells, studies):
+        if not trials_done(grid, study) or finished(grid, cell, study):
+            continue
+        with cell_lock(grid.settings.dir, cell.folder) as mine:
+            if mine and not finished(grid, cell, study):
+                finish_cell(grid, cell, study, new_runs)
+                return True
+    return False
+
+
+def write_report_once(grid: TuneGrid, storage: TuneStorage) -> tuple[dict, bool]:
+    """The summary of every finished cell; written (with the report) unless it is on disk already, as the
+    worker that finished first left it. Returns it, and whether this call wrote it."""
+    folder = grid.settings.dir
+    with claim_lock(folder):
+        cells = [read_cell(cell_path(grid, cell))[0] for cell in grid.cells]
+        summary = summarize(grid, cells + earlier_cells(grid, cells), storage.dashboard)
+        current = folder / "tune_summary.json"
+        files = [current, folder / "tune_report.md", folder / "best_lr_vs_batch.png"]
+        if all(f.is_file() for f in files) and current.read_text() == json.dumps(summary, indent=2):
+            return summary, False
+        write_tune_report(folder, summary)
+        return summary, True
+
+
+@contextlib.contextmanager
+def helpers(args: list[str], workers: int) -> Iterator[None]:
+    """tune.workers=N: N - 1 more `lbt tune` processes of the same command, working beside this one.
+
+    They end on their own once every cell is finished; if this one stops or fails, they are stopped too
+    (SIGTERM: a running trial is told failed, and run again by the same command).
+    """
+    argv = [a for a in args if not a.lstrip("+").startswith("tune.workers=")] + ["tune.workers=1"]
+    env = {**os.environ, HELPER: "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "lbt", "tune", *argv], env=env) for _ in range(workers - 1)]
+    ended = False
+    try:
+        yield
+        ended = True
+    finally:
+        for proc in procs:
+            if not ended and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            code = proc.wait()
+            if code != 0 and ended:
+                print(f"tune: worker pid {proc.pid} ended with exit code {code}", flush=True)
