@@ -218,10 +218,15 @@ def test_plan_main_custom_network_and_usage_errors(tmp_path, capsys):
 
 
 def test_plan_takes_hydra_style_key_values_like_lbt_train(tmp_path, capsys):
-    from lbt.apps.plan.cli import hydra_style
+    from lbt.apps.plan.cli import config_overrides, hydra_style
 
     assert hydra_style(["model=resnet20", "per_worker_batch=128", "--network", "1gbe"]) == \
         ["--model", "resnet20", "--per-worker-batch", "128", "--network", "1gbe"]
+    # lbt train's overrides of the model and data are composed, not turned into options (--model-name)
+    assert config_overrides(["--model", "timm", "model.name=resnet50", "b=8", "+model.img_size=32"]) == \
+        (["--model", "timm", "b=8"], ["model.name=resnet50", "+model.img_size=32"])
+    with pytest.raises(ValueError, match="per_worker_batch"):
+        config_overrides(["trainer.per_worker_batch=8"])  # plan's own option, never silently ignored
     out = tmp_path / "kv.png"
     code = plan_main(["model=mlp", "repeats=3", "max_workers=4", "network=1gbe", f"out={out}"])
     assert code == 0 and out.exists()

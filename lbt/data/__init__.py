@@ -7,6 +7,7 @@ from lbt.data.imagefolder import build_imagefolder
 from lbt.data.mnist1d import build_mnist1d
 from lbt.data.synthetic import build_synthetic
 from lbt.data.text import build_text
+from lbt.data.tokens import build_tokens
 
 __all__ = [
     "DataShape",
@@ -19,4 +20,5 @@ __all__ = [
     "build_mnist1d",
     "build_synthetic",
     "build_text",
+    "build_tokens",
 ]

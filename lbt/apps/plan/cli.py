@@ -46,6 +46,8 @@ EPILOG = """examples:
   lbt plan --model resnet20 --data cifar10 --per-worker-batch 128 --network 25gbe
   lbt plan model=resnet20 data=cifar10 per_worker_batch=128 network=25gbe   (the same)
   lbt plan --model resnet20 --data cifar10 --gpu h100 --precision bf16 --network ib-ndr
+  lbt plan model=timm model.name=resnet50 data=cifar10 gpu=h100   (lbt train's model.*/data.* overrides)
+  lbt plan --model torchvision model.name=vit_b_16 --data imagefolder data.root=DIR --step-ms 120
   lbt plan --from-result runs/train/X/result.json --network ib-hdr --from-study runs/study/Y
   lbt plan --model mypackage.MyNet --data custom --dataset mypackage.my_data --input-shape 40 --num-classes 2
   lbt plan --model cnn1d --bandwidth-gbps 40 --latency-us 5 --compression fp16 --overlap 0.5
@@ -105,7 +107,9 @@ def _compute_options(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group()
     parser.add_argument("--model", metavar="NAME_OR_CLASS",
                         help=f"the model: {', '.join(config_names('model'))} (conf/model/) or your own class as "
-                             "package.module.Class; profiled on random data of --data's shape (default cnn1d)")
+                             "package.module.Class; profiled on random data of --data's shape (default cnn1d); "
+                             "lbt train's overrides of the model and data follow as they would there "
+                             "(model.name=resnet50, data.input_shape=[3,64,64])")
     source.add_argument("--step-ms", type=float, metavar="MS",
                         help="a worker's step time measured elsewhere (e.g. on a GPU), in ms, instead of "
                              "profiling this machine; the model only gives the gradient size")
@@ -188,6 +192,23 @@ def _network(options: argparse.Namespace) -> Network:
     return Network("custom", bandwidth, latency, f"given on the command line (others from {preset.name})")
 
 
+def config_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Plan's own arguments apart from `lbt train`'s overrides of the model and the data (`model.name=resnet50`,
+    `data.input_shape=[3,32,32]`, `+model.img_size=32`), which are composed as `lbt train` composes them."""
+    args, overrides = [], []
+    for arg in argv:
+        key = arg.split("=", 1)[0]
+        if arg.startswith("-") or not (arg.startswith(("+", "~")) or ("=" in arg and "." in key)):
+            args.append(arg)  # --network 1gbe, network=1gbe, model=timm: plan's own
+        elif key.lstrip("+~").split(".", 1)[0] in ("model", "data"):
+            overrides.append(arg)
+        else:
+            raise ValueError(f"{arg}: lbt plan composes the model's and the data's overrides (model.KEY=VALUE, "
+                             "data.KEY=VALUE) as lbt train does; the rest are its own options (b: per_worker_batch=N "
+                             "or --per-worker-batch N; see lbt plan --help)")
+    return args, overrides
+
+
 def hydra_style(argv: list[str]) -> list[str]:
     """Accept `model=resnet20 per_worker_batch=128` as well as `--model resnet20 --per-worker-batch 128`,
     so `lbt plan` reads like the `lbt train` command it plans for."""
@@ -219,7 +240,9 @@ def plan_main(argv: list[str]) -> int:
     """`lbt plan ARGS`: print the table over W, write the PNG; 0 on success, 2 on a usage error (one
     `lbt: error:` line on stderr)."""
     try:
-        options = _parser().parse_args(hydra_style(argv))
+        args, overrides = config_overrides(argv)
+        options = _parser().parse_args(hydra_style(args))
+        options.overrides = overrides
         check_options(options)
         inputs = plan_inputs(options)
     except SystemExit as done:  # --help
@@ -280,9 +303,9 @@ def check_options(options: argparse.Namespace) -> None:
         value = getattr(options, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if options.from_result and (options.model or options.data):
-        raise ValueError("--from-result takes the model and data of its run: give --model/--data or --from-result, "
-                         "not both")
+    if options.from_result and (options.model or options.data or options.overrides):
+        raise ValueError("--from-result takes the model and data of its run: give --model/--data (and their "
+                         "overrides) or --from-result, not both")
     if options.step_ms is not None and not options.step_ms > 0:
         raise ValueError(f"--step-ms must be a positive time in ms, got {options.step_ms}")
     if options.gpu and options.step_ms is not None:
@@ -332,7 +355,9 @@ def plan_inputs(options: argparse.Namespace) -> PlanInputs:
                              "measured time holds for that batch only (--gpu predicts any batch)")
     else:
         name = options.model or "cnn1d"
-        model, data = model_and_data(name, options.data or "mnist1d", data_overrides(options))
+        model, data = model_and_data(name, options.data or "mnist1d", [*data_overrides(options), *options.overrides])
+        if "name" in model.kwargs:  # model=timm model.name=resnet50: say which
+            name = f"{name} {model.kwargs['name']}"
         shape = data_shape(data)
         shape = shape._replace(input_shape=tuple(options.input_shape or shape.input_shape),
                                num_classes=options.num_classes or shape.num_classes)

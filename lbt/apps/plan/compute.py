@@ -33,25 +33,25 @@ def config_names(group: str) -> list[str]:
     return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
 
 
-def model_and_data(model: str, data: str, data_overrides: list[str] | tuple = ()) -> tuple[Target, Target]:
+def model_and_data(model: str, data: str, overrides: list[str] | tuple = ()) -> tuple[Target, Target]:
     """--model (a config of conf/model/, or your own class as package.module.Class, built as
-    `lbt train model=custom model._target_=...` builds it) and --data (with `data_overrides` such as
-    `data.num_classes=2` for data=custom), composed as `lbt train` composes them."""
+    `lbt train model=custom model._target_=...` builds it) and --data, with `lbt train`'s overrides of
+    them (`model.name=resnet50`, `data.num_classes=2`), composed as `lbt train` composes them."""
     if model == "custom":
         raise ValueError("--model custom: give your class itself, --model package.module.Class")
     if model in config_names("model"):
-        overrides = [f"model={model}"]
+        groups = [f"model={model}"]
     elif "." in model:
         try:
             locate("--model", model)
         except ConfigError as error:
             raise ValueError(str(error)) from None
-        overrides = ["model=custom", f"model._target_={model}"]
+        groups = ["model=custom", f"model._target_={model}"]
     else:
         raise ValueError(f"no model {model!r}: choose one of {', '.join(config_names('model'))} (conf/model/) "
                          "or give a class as package.module.Class")
     try:
-        config = compose([*overrides, f"data={data}", *data_overrides], job_name="lbt_plan").config
+        config = compose([*groups, f"data={data}", *overrides], job_name="lbt_plan").config
     except ConfigError as error:
         raise ValueError(str(error)) from None
     return target_of(config["model"], "model"), target_of(config["data"], "data")

@@ -123,10 +123,10 @@ def job_summary(job: Job) -> dict[str, Any]:
             f"final_{split}_acc": result.final_acc, f"best_{split}_acc": result.best_acc,
             "test_acc": result.test_acc, f"final_{split}_loss": result.final_loss, "test_loss": result.test_loss,
         })
-        if result.token == "char":
-            entry[f"final_{split}_bits_per_char"] = result.bits_per_token(result.final_loss)
+        if result.token:
+            entry[f"final_{split}_bits_per_{result.token}"] = result.bits_per_token(result.final_loss)
             if result.test_loss is not None:
-                entry["test_bits_per_char"] = result.bits_per_token(result.test_loss)
+                entry[f"test_bits_per_{result.token}"] = result.bits_per_token(result.test_loss)
         entry.update({"steps": result.steps, "samples_per_sec": result.samples_per_sec,
                       "diverged": result.diverged})
     else:

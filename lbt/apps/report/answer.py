@@ -144,7 +144,7 @@ def recipe_table_lines(answer: dict[str, Any]) -> list[str]:
     ref, split = answer["reference"], answer["split"]
     metric = metric_named(answer["metric"], "metric")
     m, show, within = metric.name, metric.show, metric.units(answer["tolerance"])
-    unit, base = "%" if metric.suffix else "nats", shown(metric, ref[m], bool(answer.get("bits_per_char")))
+    unit, base = "%" if metric.suffix else "nats", shown(metric, ref[m], answer.get("bits_per_char"))
     lines = [f"Within **{within}** of {ref['recipe']} at the smallest global batch "
              f"({ref['global_batch']:,}: final {split} {m} {base}), "
              f"judged on {split} (`lbt report DIR --tolerance {metric.unit.upper()}S` to change it):", "",

@@ -58,7 +58,7 @@ def report_parser() -> argparse.ArgumentParser:
     parser.add_argument("study_dir")
     parser.add_argument("--metric", choices=list(METRIC_READERS), default="acc",
                         help="judge the runs by final val accuracy (acc, higher is better) or val loss (loss, in "
-                             "nats, lower is better; a language model's bits per char x ln 2)")
+                             "nats, lower is better; a language model's bits per char or token x ln 2)")
     parser.add_argument("--target", default=None,
                         help="for steps-to-target: an accuracy as 0.95 or 95%%, or with --metric loss a loss in "
                              "nats (default: the base batch's final value, worse by "
@@ -69,7 +69,7 @@ def report_parser() -> argparse.ArgumentParser:
                              f"of the smallest batch (default {METRICS['acc'].units(METRICS['acc'].default_tolerance)}"
                              f", {METRICS['loss'].units(METRICS['loss'].default_tolerance)})")
     parser.add_argument("--network", help="also answer which GPU count reaches the target soonest on this network "
-                                          "(lbt plan's presets, e.g. 10gbe, ib-fdr)")
+                                          "(lbt plan's presets, e.g. 10gbe, ib-hdr)")
     parser.add_argument("--step-ms", type=float, help="with --network: a worker's step time measured elsewhere "
                                                       "(default: from the study's smallest-batch run)")
     parser.add_argument("--hybrid-cap", type=int, metavar="B",

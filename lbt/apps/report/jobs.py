@@ -46,8 +46,8 @@ class Job:
         return getattr(self.result, f"final_{metric.name}")
 
     def bits_per_char(self, loss: float | None) -> float | None:
-        """A character-level language model's `loss` in bits per char; None for any other run."""
-        return self.result.bits_per_token(loss) if self.result.token == "char" else None
+        """A language model's `loss` in bits per its token (a char for data=text); None for any other run."""
+        return self.result.bits_per_token(loss)
 
 
 def load_jobs(study_dir: Path) -> list[Job]:

@@ -50,7 +50,7 @@ def markdown(rows: list[Row], target: float | None, crit: dict[str, Any],
     lines += [*preamble_lines(split, target, metric, text), *job_state_lines(trust)]
     lines += ["", "## Diagnostics: other estimates of the critical batch", ""] + critical_lines(crit, trust)
     # The loss columns for a loss-judged study or a language model, whose loss reads as bits per char.
-    losses = metric.name == "loss" or text
+    losses = metric.name == "loss" or bool(text)
     for recipe in sorted({r.recipe for r in rows}):
         lines += recipe_table(sorted((r for r in rows if r.recipe == recipe), key=lambda r: r.global_batch),
                               split, metric, losses, text)
@@ -61,7 +61,7 @@ def markdown(rows: list[Row], target: float | None, crit: dict[str, Any],
     return "\n".join(lines) + "\n"
 
 
-def top_lines(crit: dict[str, Any], metric: Metric, trust: Trust, text: bool) -> list[str]:
+def top_lines(crit: dict[str, Any], metric: Metric, trust: Trust, text: str | None) -> list[str]:
     """The report's first statement: the critical batch, or why there is no answer (and how to get one), then
     any warning on the data the answer comes from."""
     if trust.withheld:
@@ -94,7 +94,7 @@ def cell_text(text: str | None) -> str:
     return " ".join(str(text or "").split()).replace("|", "\\|")
 
 
-def preamble_lines(split: str, target: float | None, metric: Metric, text: bool = False) -> list[str]:
+def preamble_lines(split: str, target: float | None, metric: Metric, text: str | None = None) -> list[str]:
     """What the splits are, what steps to target and the gap measure, and the units."""
     if split == "val":
         splits = ("Splits: **val** is held out of the training set and is what the runs select on (best "
@@ -105,8 +105,8 @@ def preamble_lines(split: str, target: float | None, metric: Metric, text: bool 
                   "split to select on val.")
     target_text = shown(metric, target, text) if target is not None else "-"
     units = ("Units: accuracy in percent; losses in nats (natural log, what the runs minimize)"
-             + ("; a character-level language model's loss also in bits per char (nats / ln 2, as its runs print "
-                "it: the bits/char columns)." if text else "."))
+             + (f"; a language model's loss also in bits per {text} (nats / ln 2, as its runs print "
+                f"it: the bits/{text} columns)." if text else "."))
     return [splits,
             f"Steps to target: interpolated step at which {split} {metric.label} first reached {target_text} (the "
             f"base batch's final {split} {metric.label}, {metric.units(metric.target_margin)} worse, unless "
@@ -114,7 +114,7 @@ def preamble_lines(split: str, target: float | None, metric: Metric, text: bool 
             f"{metric.unit}s.", units]
 
 
-def lead_line(crit: dict[str, Any], metric: Metric, text: bool = False) -> str:
+def lead_line(crit: dict[str, Any], metric: Metric, text: str | None = None) -> str:
     """The report's one critical-batch figure: how it was measured, and how sure it is (the bracket
     between the last batch that held and the first that did not, and the seeds' spread)."""
     def show(value: float) -> str:
@@ -169,11 +169,11 @@ def critical_lines(crit: dict[str, Any], trust: Trust | None = None) -> list[str
     return lines
 
 
-def recipe_table(rows: list[Row], split: str, metric: Metric, losses: bool, text: bool) -> list[str]:
-    """One recipe's section: a row per global batch (`losses`: loss columns; `text`: bits per char)."""
+def recipe_table(rows: list[Row], split: str, metric: Metric, losses: bool, text: str | None) -> list[str]:
+    """One recipe's section: a row per global batch (`losses`: loss columns; `text`: bits per that token)."""
     header = ([f"final {split} acc (%)", f"best {split} acc (%)", "test acc (%)"]
               + [f"final {split} loss (nats)", f"best {split} loss (nats)", "test loss (nats)"] * losses
-              + [f"{split} bits/char", "test bits/char"] * text
+              + [f"{split} bits/{text}", "test bits/{text}"] * bool(text)
               + [f"gap ({metric.unit}s)", "steps", f"steps to target ({split} {metric.name})",
                  f"B_simple (last {100 * GNS_WINDOW:g}%)", "samples/s", "allreduces", "MB sent per worker"])
     return ["", f"## {rows[0].recipe}", "",
@@ -182,7 +182,7 @@ def recipe_table(rows: list[Row], split: str, metric: Metric, losses: bool, text
             *("| " + " | ".join(row_cells(r, split, metric, losses, text)) + " |" for r in rows)]
 
 
-def row_cells(r: Row, split: str, metric: Metric, losses: bool, text: bool) -> list[str]:
+def row_cells(r: Row, split: str, metric: Metric, losses: bool, text: str | None) -> list[str]:
     """The cells of one row of a recipe's table, in its header's order."""
     mine = r.split == split  # a row evaluated on another split leaves the split-named columns empty
     cells = [f"{r.global_batch:,}", str(r.world_size), str(r.seeds),

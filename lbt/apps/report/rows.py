@@ -51,8 +51,9 @@ class Row:
     best_loss: float = math.nan
     test_loss: float | None = None
     test_loss_std: float | None = None
-    bits_per_char: float | None = None  # a language model's final loss on `split` in bits (data=text)
+    bits_per_char: float | None = None  # a language model's final loss on `split` in bits per `token`
     test_bits_per_char: float | None = None
+    token: str | None = None  # a language model's label: "char" (data=text) or "token" (data=tokens)
     # Model-sized allreduces per run and the bytes each worker sent (mean over seeds): accuracy against communication.
     allreduces: float | None = None
     bytes_sent: float | None = None
@@ -82,19 +83,21 @@ def finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def shown(metric: Metric, value: float | None, char: bool = False) -> str:
+def shown(metric: Metric, value: float | None, char: str | bool | None = None) -> str:
     """A value in a sentence, with its unit: `97.20%` (accuracy, in percent everywhere in the report), `2.0000
-    nats` (loss), `2.0000 nats = 2.8854 bits/char` (a character-level language model's loss, `char`: its runs
-    print bits per char)."""
+    nats` (loss), `2.0000 nats = 2.8854 bits/char` (a language model's loss, `char` its token: "char" or
+    "token" (True, from older summaries: "char"); its runs print bits per token)."""
     text = metric.show(value)
     if metric.name != "loss" or text == "-":
         return text + metric.suffix * (text != "-")
-    return f"{text} nats" + (f" = {bits(value):.4f} bits/char" if char and value is not None else "")
+    unit = char if isinstance(char, str) else "char"
+    return f"{text} nats" + (f" = {bits(value):.4f} bits/{unit}" if char and value is not None else "")
 
 
-def char_level(rows: list[Row]) -> bool:
-    """Whether the study's runs are a character-level language model's (their losses also read in bits/char)."""
-    return any(r.bits_per_char is not None for r in rows)
+def char_level(rows: list[Row]) -> str | None:
+    """A language model's token ("char": data=text, "token": data=tokens), whose losses also read in bits per
+    token; None for a study of classifiers."""
+    return next((r.token or "char" for r in rows if r.bits_per_char is not None), None)
 
 
 def study_split(rows: list[Row]) -> str:
@@ -166,7 +169,8 @@ def group_row(series: str, global_batch: int, every: list[Job], target: float | 
         test_bits_per_char=mean_std_or_none([job.bits_per_char(job.result.test_loss) for job in trained])[0],
         allreduces=mean_std([job.result.allreduces for job in ok])[0] if ok else None,
         bytes_sent=mean_std([job.result.bytes_sent for job in ok])[0] if ok else None,
-        optimizer=run_optimizer(members[0].result.config),  # a series is one optimizer (optim= is swept apart)
+        optimizer=run_optimizer(members[0].result.config),
+        token=members[0].result.token,  # a series is one optimizer (optim= is swept apart)
     )
 
 
