@@ -189,7 +189,7 @@ def build_model(config: dict, data):
     """Model, optimizer and loss from a resolved lbt config, the way lbt/engine/build.py builds them."""
     torch.manual_seed(config["trainer"]["seed"])
     model = engine.build_model(target_of(config["model"], "model"), tuple(data.input_shape), data.num_classes)
-    optimizer = engine.instantiate(target_of(config["optim"], "optim"))(model)
+    optimizer = engine.instantiate(target_of(config["optim"], "optim"), torch.optim.Optimizer)(model)
     return model, optimizer, torch.nn.CrossEntropyLoss()
 
 

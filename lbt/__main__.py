@@ -1,5 +1,21 @@
-"""`python -m lbt train ...` and `torchrun ... -m lbt train ...`: the same as the `lbt` command."""
+"""`lbt ...`, `python -m lbt ...` and `torchrun ... -m lbt train ...`: one entry point.
 
-from lbt.apps.cli import main
+The installed `lbt` script calls `run` too, so a stop that arrives while torch and Hydra import (the
+first seconds) is a stop, exit 143/130 with its line, not a KeyboardInterrupt traceback.
+"""
 
-main()
+import sys
+
+
+def run() -> None:
+    if sys.argv[1:2] == ["train"]:
+        from lbt.apps.errors import exit_when_stopped  # light: no torch, no Hydra
+
+        exit_when_stopped()
+    from lbt.apps.cli import main
+
+    main()
+
+
+if __name__ == "__main__":
+    run()

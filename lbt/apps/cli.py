@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import sys
 
-from lbt.apps.errors import fail
+from lbt.apps.errors import exit_when_stopped, fail
 from lbt.apps.plan.cli import plan_main
 from lbt.apps.probe import probe_command
 from lbt.apps.report.cli import report_command
 from lbt.apps.study import study_command
+from lbt.apps.tokens import tokens_command
 from lbt.apps.train import train_command
 from lbt.apps.tune import tune_command
 from lbt.engine.worker import exit_worker
@@ -32,12 +33,16 @@ commands:
                         snapshots, at a fraction of a sweep's cost; e.g. `lbt probe model=mlp`
   report DIR [--target ACC] [--metric loss --target LOSS]
                         turn a multirun folder into report.md, PNG curves, summary.json, tb_summary/
+  tokens TEXT_FILE DIR  write a token folder for data=tokens (train.bin, val.bin) from any file,
+                        one token per byte; your own tokenizer: docs/language-models.md
   plan [options]        predict time per epoch vs GPU count from measured compute and a network
                         model: where adding GPUs stops paying (`lbt plan --help`)
 """
 
 
 def main(argv: list[str] | None = None) -> None:
+    if argv is None and sys.argv[1:2] == ["train"]:  # the command's own process: a stop is exit 143/130
+        exit_when_stopped()
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
@@ -55,6 +60,8 @@ def main(argv: list[str] | None = None) -> None:
         probe_command(args)
     elif command == "report":
         report_command(args)
+    elif command == "tokens":
+        tokens_command(args)
     elif command == "plan":
         sys.exit(plan_main(args))
     else:

@@ -30,8 +30,11 @@ from omegaconf.errors import MissingMandatoryValue
 from lbt.errors import ConfigError
 from lbt.spec.lr import ScheduleSpec
 from lbt.spec.run import DistSpec, TrainerSpec
+from lbt.spec.targets import keyword_names
 
 PLAIN_TYPES = (int, float, str, bool)
+# Added keys nothing checks: Hydra's own, and the marks `lbt tune` leaves in its final runs' configs.
+OPEN_SECTIONS = ("hydra.", "tune.")
 
 
 def conf_dir() -> Path:
@@ -98,6 +101,7 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_dir: str | Path 
             known = composed_without(list(overrides), config_name, error, extra)
             raise ConfigError(explain(error, known, search)) from None
         recipe = cfg.hydra.runtime.choices.get("recipe") or "custom"
+        check_added_keys(list(overrides), cfg, config_name, extra, search)
     with open_dict(cfg):
         del cfg["hydra"]
     try:
@@ -109,6 +113,45 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_dir: str | Path 
         raise ConfigError(one_line(error)) from None
     assert isinstance(config, dict)
     return Composed({str(k): v for k, v in config.items()}, str(recipe))
+
+
+def check_added_keys(overrides: list[str], cfg: Any, config_name: str, extra: list[str],
+                     search: list[Path]) -> None:
+    """`+trainer.epoch=1` adds a key nothing reads, and the run would silently train the default: an added
+    key (`+key`, or `++key` that was not there) is refused with the nearest valid key, unless it is a
+    keyword the node's `_target_` takes (a model's or a data builder's own arguments, an optimizer's)."""
+    added = {o.split("=", 1)[0].lstrip("+"): o for o in overrides if o.startswith("+")}
+    added = {key: o for key, o in added.items() if not key.startswith(OPEN_SECTIONS) and not any(c in key for c in "@/")
+             and ("." in key or not any((folder / key).is_dir() for folder in search))}  # `+group=x`: Hydra's
+    base = None
+    if any(o.startswith("++") for o in added.values()):  # `++` may override a key that exists
+        kept = [o for o in overrides if o not in added.values()]
+        base = hydra_compose(config_name, overrides=[*kept, *extra])
+    for key in added:
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+        if base is not None and OmegaConf.select(base, key, default=None) is not None:
+            continue
+        if OmegaConf.is_dict(node) and "_target_" in node:
+            if leaf not in ("_target_", "_partial_"):
+                check_keyword(key, node)
+            continue
+        siblings = [str(k) for k in node if str(k) not in (leaf, "hydra")] if OmegaConf.is_dict(node) else []
+        close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
+        hint = f"did you mean {'.'.join(filter(None, (parent, close[0])))}?" if close else "nothing would read it"
+        raise ConfigError(f"{key}: no such key in {parent or 'the config'}; {hint}")
+
+
+def check_keyword(key: str, node: Any) -> None:
+    """An added key under a `_target_` node must be a keyword its callable takes."""
+    parent, _, leaf = key.rpartition(".")
+    accepted = keyword_names(OmegaConf.to_container(node, resolve=False), parent)  # type: ignore[arg-type]
+    if accepted is None or leaf in accepted:
+        return
+    close = difflib.get_close_matches(leaf, sorted(accepted), n=1, cutoff=0.6)
+    hint = f"did you mean {parent}.{close[0]}?" if close else f"it takes: {', '.join(sorted(accepted))}"
+    builder = node.get("optimizer_class") or node["_target_"]
+    raise ConfigError(f"{key}: {builder} takes no argument {leaf}; {hint}")
 
 
 def sweep_settings(overrides: list[str] | tuple[str, ...] = (), config_name: str = "config") -> dict[str, Any]:

@@ -1,11 +1,38 @@
-"""How a command ends on a mistake the user can fix: one `lbt: error:` line on stderr and exit code 2."""
+"""How a command ends on a mistake the user can fix: one `lbt: error:` line on stderr and exit code 2;
+and how it ends when told to stop (SIGTERM, SIGINT): one line and the signal's exit code, 143 or 130."""
 
 from __future__ import annotations
 
+import signal
 import sys
-from typing import NoReturn
+from pathlib import Path
+from typing import Any, Mapping, NoReturn
 
 
 def fail(message: str) -> NoReturn:
     print(f"lbt: error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+def stopped(signum: int, resume: str = "") -> NoReturn:
+    """A command told to stop, at any moment (before its run started too): 128 + the signal's number."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name, signum = "asked to stop", signal.SIGTERM
+    print(f"lbt: stopped ({name}); rerun the same command{resume} to continue", file=sys.stderr, flush=True)
+    sys.exit(128 + signum)
+
+
+def continue_with(config: Mapping[str, Any], run_dir: str) -> str:
+    """What the rerun adds: trainer.resume=auto once the stopped run left a checkpoint to continue from."""
+    if (config.get("trainer") or {}).get("resume") == "auto":
+        return ""
+    return " with trainer.resume=auto" if (Path(run_dir) / "checkpoint" / "latest.json").is_file() else ""
+
+
+def exit_when_stopped() -> None:
+    """Until a run takes the signals over (lbt/engine/worker.py), SIGTERM/SIGINT end the command as a stopped
+    run's: one line, 143/130, no traceback (nothing has started that a checkpoint could keep)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stopped(signum))

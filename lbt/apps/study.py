@@ -14,7 +14,7 @@ from typing import NoReturn
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from lbt.apps.compose import compose, sweep_settings
+from lbt.apps.compose import compose, one_line, sweep_settings
 from lbt.apps.errors import fail
 from lbt.apps.estimate import duration, run_samples, timed_rate
 from lbt.apps.report import write_report
@@ -251,6 +251,8 @@ def extra_sweeps(args: list[str]) -> list[tuple[str, list[str]]]:
         extra = compose(plain, job_name="lbt_study").config.get("extra_sweeps") or {}
     except ConfigError as error:
         fail(str(error))
+    except Exception as error:  # Hydra's parser: an override it cannot read
+        fail(one_line(error))
     given = {o.key_or_group for o in parsed}
     grids = []
     for name, overrides in extra.items():

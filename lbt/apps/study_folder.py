@@ -47,6 +47,10 @@ def grid_jobs(params: dict[str, str], overrides: list[str], prefix: str = "") ->
     parsed = OverridesParser.create().parse_overrides(
         [f"{k}={v}" for k, v in params.items()] + [o for o in overrides if not o.startswith("hydra.")])
     (batch,) = BasicSweeper.split_arguments(parsed, None)
+    if not batch:
+        empty = next((o.input_line for o in parsed if o.is_sweep_override() and not list(o.sweep_string_iterator())),
+                     "the grid")
+        raise ConfigError(f"{empty} sweeps no values: the study would run no job")
     return [StudyJob(f"{prefix}{number}", tuple(job)) for number, job in enumerate(batch)]
 
 

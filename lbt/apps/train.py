@@ -25,10 +25,11 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from lbt.apps.compose import Composed, compose, conf_dir, one_line, register_schemas
-from lbt.apps.errors import fail
+from lbt.apps.errors import continue_with, fail, stopped
 from lbt.apps.study_folder import STUDY_PID, job_line, study_of_job
 from lbt.engine import make_spec, run
-from lbt.engine.stop import stop_asked
+from lbt.engine.build import check_targets
+from lbt.engine.stop import stop_asked, stopped_by
 from lbt.engine.worker import check_run_folder
 from lbt.errors import ConfigError
 from lbt.parallel import process_group as pg
@@ -71,6 +72,9 @@ def precheck(overrides: list[str], config_dir: str | None = None, config_name: s
         fail(f"--config-dir {config_dir}: no such folder")
     # Hydra's own settings (launcher, sweeper, run folder) are Hydra's to check.
     jobs = sweep_jobs([o for o in parsed if not o.key_or_group.startswith("hydra")])
+    empty = [o.input_line for o in parsed if o.is_sweep_override() and not list(o.sweep_string_iterator())]
+    if empty:
+        fail(f"{empty[0]} sweeps no values: the sweep would run no job")
     composed = None
     for index, job in enumerate(jobs):
         # A mistake of every job is reported plainly; one of a later job names that job.
@@ -113,7 +117,7 @@ def check_job(overrides: list[str], config_dir: str | None, config_name: str, wh
     """
     composed = compose(overrides, config_dir, config_name, job_name="lbt_precheck")
     if whole:
-        make_spec(composed.config, composed.recipe)
+        check_targets(make_spec(composed.config, composed.recipe))
     return composed
 
 
@@ -224,6 +228,8 @@ def hydra_main(cfg: DictConfig) -> None:
     started, earlier = time.perf_counter(), finished_here(output_dir)
     try:
         result = run(make_spec(config, recipe, overrides), output_dir)
+        if result.stopped and study is None and not sweeping:  # told to stop: 130/143, as at any moment
+            stopped(stopped_by(), continue_with(config, output_dir))
         if result.stopped:  # no result.json: what the job is comes from its config
             result = replace(failure_result({**config, "overrides": overrides}, recipe, ""), error=None, stopped=True)
         if study is not None:

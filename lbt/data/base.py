@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -45,6 +48,39 @@ class DataShape(NamedTuple):
     num_classes: int | None  # None: not known without reading the data (an image folder's classes)
     num_train: int | None  # training samples per epoch, after any validation split
     token: str | None = None  # a language model's inputs and labels are (T,) token ids ("char"), see DataSplits
+
+
+def data_file(key: str, path: str, bytes_in_memory: float = 0.0) -> tuple[Path, int]:
+    """A data file's path and size in bytes, or one line saying why it cannot be read as data: missing, a
+    folder, a device or pipe (`/dev/zero` would be read until memory runs out), or, when the data is held in
+    memory at `bytes_in_memory` per byte of file, larger than the memory this machine has free."""
+    file = Path(str(path)).expanduser()
+    try:
+        info = file.stat()
+    except FileNotFoundError:
+        raise ConfigError(f"{key}={path}: no such file") from None
+    except OSError as error:
+        raise ConfigError(f"{key}={path}: cannot read it ({error.strerror or error})") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise ConfigError(f"{key}={path} is a folder: name a file")
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(f"{key}={path} is not a regular file (a device, pipe or socket): name a file")
+    free = available_memory()
+    if bytes_in_memory and free and info.st_size * bytes_in_memory > free:
+        raise ConfigError(f"{key}={path} is {info.st_size / 2**30:.1f} GiB; held in memory it needs about "
+                          f"{info.st_size * bytes_in_memory / 2**30:.0f} GiB, and {free / 2**30:.0f} GiB is free")
+    return file, info.st_size
+
+
+def available_memory() -> int | None:
+    """Bytes of memory free for a new allocation (Linux's MemAvailable), None where it cannot be told."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            line = next(line for line in meminfo if line.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration, ValueError):
+        pages = os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else 0
+        return pages * os.sysconf("SC_PAGE_SIZE") if pages > 0 else None
 
 
 def train_size(n: int, val_fraction: float) -> int:

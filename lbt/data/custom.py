@@ -30,7 +30,7 @@ def build_custom(
         raise ConfigError(f"data.input_shape must be positive integers, got {input_shape!r}")
     if shape_only:
         return DataShape(tuple(input_shape), num_classes, None)  # the training set's size needs the data
-    load = locate("data.dataset", dataset)
+    load = locate("data.dataset", dataset, tuple)
     loaded = load(**(args or {}))
     if not (isinstance(loaded, tuple) and len(loaded) == 2):
         raise ConfigError(f"data.dataset={dataset} must return (train, test) datasets, got {type(loaded).__name__}")

@@ -11,12 +11,11 @@ A model reads (N, T) ids and returns (N, vocab, T) logits: model=char_transforme
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from lbt.data.base import DataShape, DataSplits, InMemoryDataset, split_validation, train_size
+from lbt.data.base import DataShape, DataSplits, InMemoryDataset, data_file, split_validation, train_size
 from lbt.errors import ConfigError
 from lbt.spec.validate import integer
 
@@ -50,13 +49,10 @@ def build_text(
 
 def read_text(path: str) -> str:
     """The file's text, or one line saying why it cannot be the training text."""
-    file = Path(str(path)).expanduser()
+    # In memory: the bytes, the UTF-32 copy (4 per byte at most) and the int64 ids (8 per character).
+    file, _ = data_file("data.path", path, bytes_in_memory=1 + 4 + 8)
     try:
         raw = file.read_bytes()
-    except FileNotFoundError:
-        raise ConfigError(f"data.path={path}: no such file") from None
-    except IsADirectoryError:
-        raise ConfigError(f"data.path={path} is a folder: name a UTF-8 text file") from None
     except OSError as error:
         raise ConfigError(f"data.path={path}: cannot read it ({error.strerror or error})") from None
     try:

@@ -28,10 +28,11 @@ from lbt.spec.targets import Target, locate
 from lbt.techniques.base import Technique, sort_techniques
 
 
-def instantiate(target: Target, **kwargs: Any) -> Any:
-    """Call a `_target_` with its keyword arguments (and `kwargs`); `_partial_: true` returns a function of
-    the rest instead. A constructor that rejects its values is one ConfigError line naming the config key."""
-    build = locate(f"{target.key}._target_", target.target)
+def instantiate(target: Target, kind: type | tuple[type, ...], /, **kwargs: Any) -> Any:
+    """Call a `_target_` that builds a `kind` with its keyword arguments (and `kwargs`); `_partial_: true`
+    returns a function of the rest instead. A constructor that rejects its values is one ConfigError line
+    naming the config key."""
+    build = locate(f"{target.key}._target_", target.target, kind)
     arguments = {**copy.deepcopy(dict(target.kwargs)), **kwargs}  # copies: a build never changes the spec
     if target.partial:
         return functools.partial(build, **arguments)
@@ -44,18 +45,35 @@ def instantiate(target: Target, **kwargs: Any) -> Any:
             from None
 
 
+TECHNIQUE_KINDS = (Technique, StepStrategy)
+
+
+def check_targets(spec: RunSpec) -> None:
+    """Every dotted path the spec names imports and can build what its key expects (checked before a run
+    starts: `model._target_=os.system` is refused, not called)."""
+    locate("model._target_", spec.model.target, nn.Module)
+    locate("data._target_", spec.data.target, DataSplits)
+    locate("optim._target_", spec.optim.target, torch.optim.Optimizer)
+    if isinstance(spec.optim.kwargs.get("optimizer_class"), str):
+        locate("optim.optimizer_class", spec.optim.kwargs["optimizer_class"], torch.optim.Optimizer)
+    if isinstance(spec.data.kwargs.get("dataset"), str):
+        locate("data.dataset", spec.data.kwargs["dataset"], tuple)
+    for technique in spec.techniques:
+        locate(f"{technique.key}._target_", technique.target, TECHNIQUE_KINDS)
+
+
 def build_data(data: Target) -> DataSplits:
-    return instantiate(data)
+    return instantiate(data, DataSplits)
 
 
 def data_shape(data: Target) -> DataShape:
     """A data config's input shape, classes and training-set size, without loading the data."""
-    return instantiate(data, shape_only=True)
+    return instantiate(data, DataSplits, shape_only=True)
 
 
 def build_model(model: Target, input_shape: tuple[int, ...], num_classes: int | None) -> nn.Module:
     """The model for data of this shape (an image folder's classes unknown before reading it: ImageNet's 1,000)."""
-    return instantiate(model, input_shape=tuple(input_shape), num_classes=num_classes or 1000)
+    return instantiate(model, nn.Module, input_shape=tuple(input_shape), num_classes=num_classes or 1000)
 
 
 @dataclass
@@ -82,7 +100,7 @@ def build_parts(spec: RunSpec, ctx: DistContext, extra_techniques: list[Techniqu
     techniques, strategy = build_techniques(spec, extra_techniques)
     model = build_placed_model(spec, data, techniques, strategy, ctx)
     data = data.to(ctx.device)  # in-memory data lives on the device: batches are gathered there
-    optimizer = instantiate(spec.optim)(model)
+    optimizer = instantiate(spec.optim, torch.optim.Optimizer)(model)
     if ctx.tensor_parallel > 1:
         tensor_parallel.unfuse(optimizer)
     loss_fn: Callable = nn.CrossEntropyLoss()
@@ -105,7 +123,7 @@ def build_techniques(spec: RunSpec, extra: list[Technique] | tuple = ()) -> tupl
     declared order, and the one step strategy among them (synchronous SGD when none is listed)."""
     for name in spec.unselected:
         note(f"technique.{name} is configured but not selected; ignored")
-    built = [instantiate(target) for target in spec.techniques] + list(extra)
+    built = [instantiate(target, TECHNIQUE_KINDS) for target in spec.techniques] + list(extra)
     strategies = [b for b in built if isinstance(b, StepStrategy)]
     techniques = sort_techniques([b for b in built if isinstance(b, Technique)])
     refuse_conflicts([*strategies, *techniques])
@@ -167,11 +185,11 @@ def check_model_takes(model: nn.Module, data: DataSplits) -> None:
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             model(samples)
-    except (RuntimeError, ValueError, TypeError, IndexError) as error:
+    except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as error:  # timm's ViTs assert
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise ConfigError(f"the model cannot read this data's samples (shape {tuple(data.input_shape)}): {first}; "
                           "pick a model for this data (1-D signals: model=cnn1d or mlp; images: resnet20, "
-                          "torchvision; text (data=text): char_transformer)") from None
+                          "torchvision, timm; text (data=text): char_transformer; tokens (data=tokens): gpt)") from None
     finally:
         model.train(training)
 

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from lbt.errors import ConfigError
 from lbt.metrics.text_log import say
+from lbt.parallel.launcher import os_error_of
 from lbt.parallel.process_group import DistContext
 from lbt.parallel.tensor_parallel import full_tensors, load_full_state
 from lbt.paths import atomic_write
@@ -72,13 +73,13 @@ class Checkpointer:
     def save(self, step: int, main_state: dict, rank_state: dict) -> None:
         partial = self.root / f"step_{step}{PARTIAL}"
         payload = {**rank_state, **(main_state if self.rank == 0 else {})}
-        with self._writing():
+        with self._writing(partial):
             partial.mkdir(parents=True, exist_ok=True)
             atomic_write(partial / f"rank{self.rank}.pt", lambda f: torch.save(payload, f))
         if self.procs > 1:
             dist.barrier()  # every rank's file is on disk before rank 0 publishes the folder
         if self.rank == 0:
-            with self._writing():
+            with self._writing(partial):
                 self._publish(partial, step)
             self._prune()
 
@@ -103,12 +104,20 @@ class Checkpointer:
             shutil.rmtree(leftover, ignore_errors=True)
 
     @contextmanager
-    def _writing(self) -> Iterator[None]:
+    def _writing(self, partial: Path) -> Iterator[None]:
+        """A full disk, a read-only folder: one line; the partial folder goes, the previous checkpoints stay.
+        (torch.save reports a full disk as a RuntimeError raised while handling the file's OSError.)"""
         try:
             yield
-        except OSError as error:  # a full disk, a read-only folder: the previous checkpoints are intact
-            raise ConfigError(f"cannot write checkpoint under {self.root}: {error.strerror or error}; "
-                              f"the previous checkpoint is intact") from None
+        except (OSError, RuntimeError) as raised:
+            error = os_error_of(raised)
+            if error is None:
+                raise
+            shutil.rmtree(partial, ignore_errors=True)
+            latest = self.latest()
+            kept = f"the checkpoint at step {latest['step']} is still the latest" if latest else "none was written"
+            raise ConfigError(f"cannot write checkpoint {self.root / partial.name.removesuffix(PARTIAL)}: "
+                              f"{error.strerror or error} (errno {error.errno}); {kept}") from None
 
     # -- reading --------------------------------------------------------------
     def _complete(self) -> list[Path]:
@@ -117,8 +126,13 @@ class Checkpointer:
         return sorted(folders, key=_step_of, reverse=True)
 
     def latest(self) -> dict | None:
+        """latest.json, or None when it is missing or damaged (loading trusts the manifests, not this file)."""
         path = self.root / LATEST
-        return json.loads(path.read_text()) if path.is_file() else None
+        try:
+            meta = json.loads(path.read_text()) if path.is_file() else None
+            return meta if isinstance(meta, dict) and isinstance(meta.get("step"), int) else None
+        except (OSError, ValueError):
+            return None
 
     def refuse_other_run(self, tidy: bool = True) -> None:
         """A fresh start must not leave an earlier run's checkpoint for a later resume to pick up, nor mix
@@ -161,38 +175,41 @@ class Checkpointer:
             raise ConfigError(choice)
         name, manifest = choice
         self._check_belongs(manifest)
-        folder = self.root / name
-        main = torch.load(folder / "rank0.pt", weights_only=True, map_location="cpu")
-        own = main if self.rank == 0 else torch.load(folder / f"rank{self.rank}.pt", weights_only=True,
-                                                      map_location="cpu")
+        main = _load(self.root / name / "rank0.pt")
+        own = main if self.rank == 0 else _load(self.root / name / f"rank{self.rank}.pt")
         return main, own
 
     def _choose(self) -> tuple[str, dict] | str | None:
-        """The newest step folder whose files match their manifest, or an error message, or None."""
+        """The newest step folder whose files match their manifest, or an error message, or None.
+
+        Damaged newer folders are moved aside (to a name of their own) and one line says which checkpoint
+        the run resumes from and why; none intact, or a folder that cannot be read, is one error naming it.
+        """
+        if self.root.is_dir() and not os.access(self.root, os.R_OK | os.X_OK):
+            return f"cannot read the checkpoint folder {self.root} (permission denied); make it readable"
         meta = self.latest()
         if meta is not None and meta.get("format", 1) != FORMAT:
             return (f"the checkpoint in {self.root} is in format {meta.get('format', 1)} of an older lbt, which this "
                     f"one (format {FORMAT}) cannot continue; start a new run folder")
-        damaged: list[Path] = []
-        problems: list[str] = []
+        damaged: list[tuple[Path, str]] = []
         for folder in self._complete():
             manifest, problem = _verify(folder)
-            if manifest is not None:
-                for bad in damaged:
-                    os.replace(bad, bad.with_name(bad.name + DAMAGED))
-                if damaged:
-                    say(f"lbt: note: moved the damaged checkpoint(s) aside "
-                        f"({', '.join(b.name + DAMAGED for b in damaged)}); resuming from {folder.name}", stderr=True)
-                return folder.name, manifest
-            say(f"lbt: note: checkpoint {folder} is damaged ({problem}); trying the one before", stderr=True)
-            damaged.append(folder)
-            problems.append(f"{folder.name}: {problem}")
-        if damaged:
-            return f"no intact checkpoint in {self.root} ({'; '.join(problems)}); start a new run folder"
+            if manifest is None:
+                damaged.append((folder, f"{problem}"))
+                continue
+            why = [f"{bad.name} is damaged ({problem}), {_move_aside(bad)}" for bad, problem in damaged]
+            if meta is None and (self.root / LATEST).exists():
+                why.append(f"{LATEST} is damaged (loading trusts the step folders' manifests)")
+            if why:
+                say(f"lbt: note: resuming from checkpoint {folder.name}: {'; '.join(why)}", stderr=True)
+            return folder.name, manifest
+        if damaged:  # nothing is moved: the folder stays as it was for whoever looks at it
+            problems = "; ".join(f"{bad.name}: {problem}" for bad, problem in damaged)
+            return f"no intact checkpoint in {self.root} ({problems}); start a new run folder"
         return None
 
     def _check_belongs(self, manifest: dict) -> None:
-        if manifest["procs"] != self.procs:
+        if manifest.get("procs") != self.procs:
             raise ConfigError(
                 f"the checkpoint in {self.root} was written by {manifest['procs']} processes; "
                 f"resume it with dist.procs={manifest['procs']}"
@@ -205,10 +222,36 @@ class Checkpointer:
             )
 
 
+def _move_aside(folder: Path) -> str:
+    """Rename a damaged step folder to a free `.damaged` name (a step damaged a second time gets
+    `.damaged.2`), kept for inspection; what happened, for the note."""
+    target, n = folder.with_name(folder.name + DAMAGED), 1
+    while target.exists():
+        n += 1
+        target = folder.with_name(f"{folder.name}{DAMAGED}.{n}")
+    try:
+        os.replace(folder, target)
+    except OSError as error:  # a read-only folder: the damaged one stays, and is skipped again next time
+        return f"left in place ({error.strerror or error})"
+    return f"moved aside to {target.name}"
+
+
+def _load(path: Path) -> dict:
+    """A checkpoint file that passed its checksum, or one line naming it (a foreign or unreadable file)."""
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise ConfigError(f"checkpoint file {path} cannot be loaded ({type(error).__name__}: {first}); "
+                          "move its step folder aside to resume from the one before") from None
+
+
 def _verify(folder: Path) -> tuple[dict | None, str | None]:
     """(manifest, None) when every file matches its recorded checksum, else (None, what is wrong)."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("procs"), int):
+            return None, f"{MANIFEST} is not a manifest"
         if manifest.get("format") != FORMAT:
             return None, f"format {manifest.get('format')}, expected {FORMAT}"
         for name, digest in manifest["files"].items():
@@ -218,7 +261,9 @@ def _verify(folder: Path) -> tuple[dict | None, str | None]:
             if file_sha256(path) != digest:
                 return None, f"{name} does not match its checksum"
         return manifest, None
-    except (OSError, ValueError, KeyError, AttributeError) as error:
+    except OSError as error:
+        return None, f"cannot read {Path(error.filename or folder).name}: {error.strerror or error}"
+    except (ValueError, KeyError, AttributeError, TypeError) as error:
         return None, f"unreadable manifest: {error}"
 
 

@@ -64,6 +64,7 @@ def finished_result(spec: RunSpec, parts: Parts, result: RunResult) -> RunResult
     result.tensor_parallel, result.data_parallel = layout.tensor_parallel, layout.world_size
     result.per_worker_batch, result.global_batch = layout.per_worker_batch, layout.global_batch
     result.steps_per_epoch, result.base_lr = layout.steps_per_epoch(parts.data.num_train), spec.base_lr
+    result.epochs = round(result.samples_seen / max(parts.data.num_train, 1), 4)  # what ran, not what was asked
     result.token, result.techniques, result.config = parts.data.token, describe_techniques(parts), dict(spec.config)
     undefined = b_simple_undefined(run_optimizer(spec.config))
     if undefined and B_SIMPLE in {*result.technique_metrics, *result.technique_curves}:

@@ -5,14 +5,20 @@ a launcher's worker process may be between jobs when Ctrl-C arrives. So a study 
 LBT_STOP_FILE; whoever gets SIGINT/SIGTERM writes the signal's number there (`ask_stop`), every run
 reads it at its log steps as it reads its own signal flag (all ranks agree there), and a job that
 would start after it appeared does not start (`stop_asked`).
+
+A process also remembers the stop it was asked for (`ask_stop`), without a stop file too: a run
+stopped before its first step stops as one stopped later, and the command that ran it exits with
+the signal's code (`stopped_by`).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 STOP_FILE = "LBT_STOP_FILE"
+_asked: list[int] = []  # the stop this process was asked for (its first signal), file or not
 
 
 def stop_file() -> Path | None:
@@ -21,7 +27,9 @@ def stop_file() -> Path | None:
 
 
 def stop_asked() -> int | None:
-    """The signal number a stop was asked with, or None (also when no stop file is set)."""
+    """The signal number a stop was asked with (of this process, or in the stop file), or None."""
+    if _asked:
+        return _asked[0]
     path = stop_file()
     if path is None or not path.is_file():
         return None
@@ -32,10 +40,22 @@ def stop_asked() -> int | None:
 
 
 def ask_stop(signum: int) -> None:
-    """Record a stop for every job (no-op outside a study); the first signal's number is kept."""
+    """Record a stop for this process and every job of its study; the first signal's number is kept."""
+    if not _asked:
+        _asked.append(signum)
     path = stop_file()
     if path is not None and not path.exists():
         try:
             path.write_text(str(signum))
         except OSError:
             pass  # the run that got the signal stops anyway; the others stop on their own signal
+
+
+def forget_stop() -> None:
+    """A new run in this process starts unstopped (a test or notebook runs several in one process)."""
+    _asked.clear()
+
+
+def stopped_by() -> int:
+    """The signal a stopped run was stopped with (SIGTERM when it is not known: a scheduler's preemption)."""
+    return stop_asked() or signal.SIGTERM

@@ -49,6 +49,8 @@ from lbt.spec.lr import optimizer_settings, peak
 from lbt.spec.objective import ACC, LOSS
 from lbt.spec.result import EvalPoint, RunResult
 
+LR_LIMIT = float(torch.finfo(torch.float32).max)  # an LR torch can still turn into a float32 step
+
 
 @dataclass(frozen=True)
 class LoopSettings:
@@ -82,7 +84,6 @@ def evaluation_steps(budget: Budget, evals: int) -> frozenset[int]:
 
 
 class Trainer:
-    stop_requested: bool  # set by SIGTERM/SIGINT (lbt.engine.worker.stop_on_signals)
     on_step: Callable[[int], None] | None  # told each finished step (the local launcher's record of progress)
     snapshot: Callable[[], None] | None  # called at settings.snapshot_samples (lbt/engine/branch.py)
     diverge_above: float  # a train loss above this ends the run as diverged (a probe branch's limit)
@@ -107,8 +108,8 @@ class Trainer:
         has_val = parts.data.val is not None
         self.eval_split, self.eval_set = ("val", parts.data.val) if has_val else ("test", parts.data.test)
         self.eval_steps = evaluation_steps(self.budget, settings.evals)
-        self.state, self.result, self.stop_requested = LoopState(), RunResult(eval_split=self.eval_split), False
-        self.on_step, self.snapshot, self.diverge_above = None, None, math.inf
+        self.state, self.result = LoopState(), RunResult(eval_split=self.eval_split)
+        self.on_step, self.snapshot, self.diverge_above, self.why_diverged = None, None, math.inf, ""
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -159,6 +160,9 @@ class Trainer:
         for inputs, labels in self.batches(layout).epoch(s.epoch, s.step_in_epoch, steps):
             self.timer.phase("compute")  # the wait for the step's batch ends here
             lr = self.set_lr(layout)
+            if not lr < LR_LIMIT:  # torch cannot apply it to float32 weights: the run has diverged
+                self.diverge(f"the LR at step {s.step} is {lr:.3g}, beyond float32")
+                break
             log_now = self.window.should_log(s.step, last_of_epoch=s.step_in_epoch == steps - 1)
             loss, correct = self.runner.step(s, layout, inputs, labels, self.data.num_train,
                                              count_correct=log_now and bar is not None)
@@ -170,7 +174,7 @@ class Trainer:
             self.window.add(loss)
             leave = log_now and self.log_window(layout, lr, correct / labels.numel(), bar, steps)
             if s.step in self.eval_steps and s.step_in_epoch < steps:  # an epoch's end evaluates in end_epoch
-                self.validate(layout)
+                leave = leave or not math.isfinite(self.validate(layout).loss)
             if self.snapshot is not None and s.samples_seen in self.settings.snapshot_samples:
                 self.snapshot()
             if leave:
@@ -194,7 +198,7 @@ class Trainer:
         s = self.state
         # Summed over processes at a cadence every rank agrees on, so all of them
         # see the same loss (and stop request) and act together.
-        window = self.window.close(self.stop_requested or stop_asked() is not None, self.ctx, layout.global_batch)
+        window = self.window.close(stop_asked() is not None, self.ctx, layout.global_batch)
         self.log.scalars({"train/loss": window.mean_loss, "train/lr": lr, "train/global_batch": layout.global_batch,
                           "perf/samples_per_sec": window.samples_per_sec, **self.timer.window_means(),
                           **self.precision.metrics(), **self.technique_metrics()}, s.step, s.samples_seen)
@@ -208,7 +212,8 @@ class Trainer:
         s.high_windows = diverging(window.mean_loss, s.initial_loss, s.high_windows, self.settings.diverge_factor)
         if not math.isfinite(window.mean_loss) or s.high_windows >= self.settings.diverge_log_steps \
                 or window.mean_loss > self.diverge_above:
-            self.result.diverged = True
+            self.diverge(f"the train loss at step {s.step} is {window.mean_loss:.4g} (the first step's: "
+                         f"{s.initial_loss:.4g})")
             return True
         self.result.stopped = window.stop
         return window.stop and s.step_in_epoch < steps
@@ -217,11 +222,12 @@ class Trainer:
         """Evaluate, log and maybe checkpoint after an epoch; False when the run diverged."""
         s, result = self.state, self.result
         result.final_train_loss = train_loss
-        if not math.isfinite(train_loss) or result.diverged:
-            result.diverged = True
-            self.say(f"epoch {s.epoch + 1}: train loss is {train_loss}; the run diverged, stopping early")
+        if not math.isfinite(train_loss) and not result.diverged:
+            self.diverge(f"the epoch's train loss is {train_loss}")
+        point, split = (None if result.diverged else self.validate(self.budget.layouts[s.epoch])), self.eval_split
+        if point is None or result.diverged:
+            self.say(f"epoch {s.epoch + 1}: {self.why_diverged}; the run diverged, stopping early")
             return False
-        point, split = self.validate(self.budget.layouts[s.epoch]), self.eval_split
         self.say(f"epoch {s.epoch + 1}/{len(self.budget.layouts)} step {s.step} train_loss={train_loss:.4f} "
                  f"{split}_loss={point.loss:.4f} {split}_acc={point.acc:.4f}")
         layouts = list(self.budget.layouts)
@@ -243,6 +249,8 @@ class Trainer:
         result.eval_seconds += time.perf_counter() - started
         point = EvalPoint(s.step, s.samples_seen, layout.global_batch, result.final_acc, result.final_loss)
         result.history.append(point)
+        if not math.isfinite(point.loss):
+            self.diverge(f"the {split} loss at step {s.step} is {point.loss}")
         self.log.scalars({f"{split}/loss": point.loss, f"{split}/acc": point.acc}, s.step, s.samples_seen)
         for technique in self.techniques:
             technique.after_eval(point)
@@ -268,19 +276,13 @@ class Trainer:
         result.step_seconds = self.timer.run_means()
 
     def set_lr(self, layout: BatchLayout) -> float:
-        """Write the step's LR (and the batch-dependent Adam settings) into every parameter group.
-
-        A function of samples seen (lbt/spec/lr.py), never of a hidden step counter. The scaling rule
-        follows the configured batch, or the current one under an automatic batch ramp.
-        """
+        """Write the step's LR (and the batch-dependent Adam settings) into every parameter group: a function
+        of samples seen (lbt/spec/lr.py), following the current batch under an automatic batch ramp."""
         batch = layout.global_batch if self.lr_follows_batch else None
-        settings = optimizer_settings(self.state.samples_seen, self.schedule, batch)
-        factor = settings.pop("weight_decay_factor", None)
-        for group in self.optimizer.param_groups:
-            group.update(settings)
-            if factor is not None:  # each group's own decay (0 for excluded bias/norm parameters) x factor
-                group["weight_decay"] = group.setdefault("base_weight_decay", group["weight_decay"]) * factor
-        return float(settings["lr"])  # type: ignore[arg-type]
+        return write_settings(self.optimizer, optimizer_settings(self.state.samples_seen, self.schedule, batch))
+
+    def diverge(self, why: str) -> None:
+        self.result.diverged, self.why_diverged = True, why
 
     def technique_metrics(self) -> dict[str, float]:
         return {key: value for t in self.techniques for key, value in t.metrics().items()}
@@ -344,3 +346,13 @@ def progress_bar(trainer: Trainer, steps: int) -> Any:
     epochs = sum(1 for n in trainer.budget.steps if n)  # the epochs that take a step (max_steps may end early)
     return tqdm(total=steps, initial=trainer.state.step_in_epoch, desc=f"epoch {trainer.state.epoch + 1}/{epochs}",
                 unit="step", leave=False, dynamic_ncols=True)
+
+
+def write_settings(optimizer: torch.optim.Optimizer, settings: dict[str, Any]) -> float:
+    """Put the step's optimizer settings in every parameter group (never a hidden step counter); its LR."""
+    factor = settings.pop("weight_decay_factor", None)
+    for group in optimizer.param_groups:
+        group.update(settings)
+        if factor is not None:  # each group's own decay (0 for excluded bias/norm parameters) x factor
+            group["weight_decay"] = group.setdefault("base_weight_decay", group["weight_decay"]) * factor
+    return float(settings["lr"])

@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -30,7 +31,7 @@ from lbt.engine.build import build_data, build_parts
 from lbt.engine.checkpoint import Checkpointer, full_state, load_snapshot
 from lbt.engine.outcome import finish, print_start
 from lbt.engine.precision import Precision
-from lbt.engine.stop import ask_stop
+from lbt.engine.stop import ask_stop, forget_stop, stop_asked
 from lbt.engine.trainer import LoopSettings, Trainer
 from lbt.errors import ConfigError
 from lbt.metrics.tensorboard import RunLogger
@@ -49,6 +50,8 @@ def make_spec(config: Mapping[str, Any], recipe: str | None = None, overrides: l
     env = pg.torchrun_env()
     spec = build_spec(config, Launch(env["procs"] if env else None, pg.default_procs()), recipe, overrides)
     check_backend(spec.dist.backend, spec.trainer.device)
+    if env is None:  # lbt's launcher will start them: the machine must have room (torchrun's are started)
+        launcher.check_resources(spec.procs, spec.dist.allow_oversubscribe)
     return spec
 
 
@@ -82,7 +85,7 @@ def _run(spec: RunSpec, run_dir: str, techniques: list[Technique] | tuple) -> Ru
             result = record_restarts(run_dir, [{"by": "torchrun --max-restarts", "restarts": elastic}])
         return result
     if spec.procs == 1 and not spec.dist.max_restarts:
-        return train_process(0, None, spec, run_dir, 0, 1, list(techniques))
+        return in_process(spec, run_dir, list(techniques))
     if techniques:
         raise ConfigError("run(techniques=...) adds techniques to in-process runs only (dist.procs=1, "
                           "dist.max_restarts=0)")
@@ -93,6 +96,30 @@ def _run(spec: RunSpec, run_dir: str, techniques: list[Technique] | tuple) -> Ru
     if not (Path(run_dir) / "result.json").exists():  # stopped by a signal after a checkpoint
         return RunResult(stopped=True)
     return record_restarts(run_dir, restarts) if restarts else read_result(run_dir)
+
+
+def in_process(spec: RunSpec, run_dir: str, techniques: list[Technique]) -> RunResult:
+    """The run in this process. An error of the disk or of permissions (a full disk while writing the final
+    model, a folder made read-only) is one line, a ConfigError, with its traceback in train.log."""
+    try:
+        return train_process(0, None, spec, run_dir, 0, 1, techniques)
+    except ConfigError:
+        raise
+    except Exception as error:
+        if not launcher.lasting(error) or launcher.os_error_of(error) is None:
+            raise
+        log_traceback(run_dir, 0, error)
+        raise ConfigError(f"{launcher.describe(error)}; the traceback is in train.log") from None
+
+
+def log_traceback(run_dir: str, rank: int, error: BaseException) -> None:
+    """Append a failure's whole traceback to the run's train.log (its console line is one line)."""
+    lines = traceback.format_exception(error)
+    try:
+        with open(Path(run_dir) / "train.log", "a", encoding="utf-8") as log:
+            log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} rank {rank} failed:\n{''.join(lines)}")
+    except OSError:
+        print("".join(lines), file=sys.stderr, flush=True)  # train.log cannot take it: the console does
 
 
 def record_restarts(run_dir: str, restarts: list[dict]) -> RunResult:
@@ -107,16 +134,17 @@ def launch_with_restarts(spec: RunSpec, run_dir: str) -> list[dict]:
     """Start the workers; when one dies, start them again from the last checkpoint, dist.max_restarts times.
 
     lbt's resume is exact, so a restarted job ends with the parameters of an uninterrupted one.
-    A config error is not retried (the worker printed it; it would fail again), nor is a diverged
-    run (its workers end well). Returns one record per restart: which rank died, how, at which
-    step, and the step the job continued from.
+    An error a restart would meet again is not retried (a config error, a full disk, no permission,
+    out of memory in the first step), nor is a diverged run (its workers end well), nor a job told to
+    stop (SIGTERM/SIGINT). Returns one record per restart: which rank died, how, at which step, and
+    the step the job continued from.
     """
     restarts: list[dict] = []
     procs, limit = spec.procs, spec.dist.max_restarts
     while True:
         steps = launcher.step_board(procs)
         try:
-            launcher.launch_local(_spawned_process, (steps, spec, run_dir), procs)
+            launcher.launch_local(_spawned_process, (steps, spec, run_dir), procs, on_signal=ask_stop)
             return restarts
         except launcher.WorkerDied as died:
             if not died.restartable or len(restarts) >= limit:
@@ -196,18 +224,27 @@ def _spawned_process(rank: int, store_port: int, steps: Any, spec: RunSpec, run_
 
     `steps` (lbt.parallel.launcher.step_board): where this rank writes each step it finishes.
     """
+    stepped: list[int] = []
+
     def on_step(step: int) -> None:
         steps[rank] = step
+        stepped.append(step)
 
     try:
         train_process(rank, store_port, spec, run_dir, rank, spec.procs, on_step=on_step)
     except ConfigError as error:
         if rank == 0:
             print(f"lbt: error: {error}", file=sys.stderr, flush=True)
+        launcher.report_failure(rank, str(error), retry=False)
         sys.exit(2)
-    except torch.distributed.DistError as error:
+    except torch.distributed.DistError as error:  # the launcher names the rank that brought the job down
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        print(f"lbt: rank {rank} lost its peers: {first_line}", file=sys.stderr, flush=True)
+        launcher.report_failure(rank, f"lost its peers: {first_line}", retry=True, lost_peers=True)
+        sys.exit(1)
+    except Exception as error:
+        log_traceback(run_dir, rank, error)
+        out_of_memory = isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)) and not stepped
+        launcher.report_failure(rank, launcher.describe(error), retry=not (launcher.lasting(error) or out_of_memory))
         sys.exit(1)
     exit_worker()
 
@@ -232,7 +269,8 @@ def train_process(rank: int, store_port: int | None, spec: RunSpec, run_dir: str
     torch.set_num_threads(spec.trainer.threads or max(1, (os.cpu_count() or 1) // local_procs))
     device = pg.pick_device(spec.trainer.device, local_rank)
     backend = pg.pick_backend(spec.dist.backend, device)
-    with pg.process_group(backend, rank, procs, spec.dist.timeout_s, store_port), ExitStack() as stack:
+    with stop_on_signals(), pg.process_group(backend, rank, procs, spec.dist.timeout_s, store_port), \
+            ExitStack() as stack:
         if store_port is None and procs > 1:
             run_dir = _agree_on_run_dir(run_dir)
         stack.enter_context(text_log(run_dir if rank == 0 else None))
@@ -244,8 +282,9 @@ def train_process(rank: int, store_port: int | None, spec: RunSpec, run_dir: str
         trainer.on_step = on_step
         # Closed however the run ends (an exception too: a tuner's pruning unwinds it), so its curves reach the disk.
         stack.callback(trainer.log.close)
-        with stop_on_signals(trainer):
-            result = trainer.fit()
+        if stop_agreed(ctx):  # told to stop before the first step: stopped as it would be later
+            return RunResult(stopped=True)
+        result = trainer.fit()
         if result.stopped:
             return result
         result.wall_seconds = time.perf_counter() - started
@@ -283,6 +322,7 @@ def make_trainer(spec: RunSpec, ctx: pg.DistContext, run_dir: str, local_procs: 
     trainer = Trainer(parts, ctx, settings, logger, checkpointer, precision)
     if resume is not None:
         trainer.load_checkpoint(*resume)
+        check_budget(trainer, spec, run_dir)
         trainer.say(f"resumed from step {trainer.state.step} (epoch {trainer.state.epoch + 1}) in {run_dir}")
     elif t.branch_from is not None:
         assert t.branch_at is not None and t.branch_samples is not None  # TrainerSpec.check: all three or none
@@ -292,14 +332,45 @@ def make_trainer(spec: RunSpec, ctx: pg.DistContext, run_dir: str, local_procs: 
     return trainer
 
 
-@contextmanager
-def stop_on_signals(trainer: Trainer) -> Iterator[None]:
-    """SIGTERM (how schedulers preempt) and SIGINT ask the loop to checkpoint and stop cleanly."""
-    def request_stop(signum: int, frame: Any) -> None:
-        trainer.stop_requested = True
-        ask_stop(signum)  # the study this run is a job of stops too (lbt/engine/stop.py)
+def check_budget(trainer: Trainer, spec: RunSpec, run_dir: str) -> None:
+    """A resume whose budget is smaller than what the run has trained is refused: its result would say
+    trainer.epochs=3 of a run that trained more. Every rank checks (they raise together)."""
+    done, total = trainer.state.step, trainer.budget.total_steps
+    finished = Path(run_dir) / "result.json"
+    if finished.is_file():
+        try:
+            saved = read_result(finished)
+            done = max(done, 0 if saved.failed else saved.steps)
+        except ResultError:
+            pass  # finished_run said so already
+    if done <= total:
+        return
+    t = spec.trainer
+    cap = "null" if t.max_steps is None else t.max_steps
+    raise ConfigError(f"{run_dir} has trained {done:,} steps and this run's budget is {total:,} "
+                      f"(trainer.epochs={t.epochs} trainer.max_steps={cap}): a resume cannot train less than was "
+                      "trained; give at least that budget, or train this one in another folder (hydra.run.dir=...)")
 
+
+def stop_agreed(ctx: pg.DistContext) -> bool:
+    """Whether any rank was told to stop (all ranks call this together, and agree)."""
+    asked = torch.tensor([float(stop_asked() is not None)], dtype=torch.float64, device=ctx.device)
+    pg.all_reduce_sum(asked, ctx)
+    return asked.item() > 0
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """SIGTERM (how schedulers preempt) and SIGINT ask the run to checkpoint and stop cleanly, from its
+    first moment: the loop reads the stop at its log steps, a run not started yet does not start."""
+    def request_stop(signum: int, frame: Any) -> None:
+        ask_stop(signum)  # the loop reads it (stop_asked); the study this run is a job of stops too
+
+    forget_stop()  # an earlier run in this process was stopped, not this one
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    early = launcher.signal_received()  # a spawned worker told to stop while it started
+    if early is not None:
+        ask_stop(early)
     try:
         yield
     finally:

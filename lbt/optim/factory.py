@@ -27,7 +27,7 @@ def create_optimizer(model: nn.Module, optimizer_class: str | type, lr: float, w
     """
     number("optim.lr", lr, low=0, low_open=True)
     if isinstance(optimizer_class, str):
-        optimizer_class = locate("optim.optimizer_class", optimizer_class)
+        optimizer_class = locate("optim.optimizer_class", optimizer_class, torch.optim.Optimizer)
     groups = param_groups(model, weight_decay, exclude_bias_and_norm=no_bn_weight_decay)
     if options.get("fused") == "auto":
         options["fused"] = _fused_kernel_for(optimizer_class, model)

@@ -2,43 +2,183 @@
 
 Processes are started by `torch.multiprocessing` (spawn) and meet through a TCPStore the launcher
 owns on 127.0.0.1, on a port the OS picks. Restarts and the run itself are the engine's
-(lbt/engine/worker.py); this module only starts, watches and stops processes.
+(lbt/engine/worker.py); this module starts, watches and stops processes, checks the machine has
+room for them (`check_resources`), and carries a worker's failure to the parent (`report_failure`).
+
+A failed worker writes why into a file of the launcher's (`report_failure`: the exception's type,
+message and the line of lbt or user code that raised it); the parent reads the first such report
+and names it in WorkerDied. A stop (SIGTERM/SIGINT to the launcher) is forwarded to the workers
+and is never a failure: `launch_local` returns the signal, whatever the workers' exit codes.
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import signal
+import sysconfig
+import tempfile
 import time
+import traceback
 from multiprocessing.connection import wait as wait_for_sentinels
+from pathlib import Path
 from typing import Callable
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lbt.errors import ConfigError
 from lbt.parallel.process_group import HOST
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+ERRORS = "LBT_WORKER_ERRORS"  # the folder a spawned worker reports its failure into (set by launch_local)
+# Set to 1 (the test suite does), the core and memory check passes, as dist.allow_oversubscribe=true does.
+OVERSUBSCRIBE = "LBT_ALLOW_OVERSUBSCRIBE"
+# Errors that a restart meets again: the disk, the permissions, the file system.
+LASTING_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS)
+_received: list[int] = []  # in a spawned worker: stop signals that came before the engine took them over
 
 
 class WorkerDied(RuntimeError):
     """A worker process of a locally launched job exited abnormally.
 
     `rank` and `how` name the worker that brought the job down; rank None: a
-    config error the worker already printed (never worth a restart).
+    config error the worker already printed (never worth a restart). `retry`
+    False: an error a restart would meet again (a full disk, a config error).
     """
 
-    def __init__(self, message: str, rank: int | None = None, how: str | None = None):
+    def __init__(self, message: str, rank: int | None = None, how: str | None = None, retry: bool = True):
         super().__init__(message)
-        self.rank, self.how = rank, how
+        self.rank, self.how, self.retry = rank, how, retry
 
     @property
     def restartable(self) -> bool:
-        return self.rank is not None
+        return self.rank is not None and self.retry
 
 
 def step_board(procs: int):
     """One shared integer per process, each worker's last finished step: read after a worker dies
     (a SIGKILLed process can say nothing), so a restart can record where it happened."""
     return mp.get_context("spawn").RawArray("q", procs)
+
+
+# -- resources ------------------------------------------------------------------------------------
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a cgroup or taskset may give fewer than the machine)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def memory_left() -> int | None:
+    """Bytes of memory a new process can still get: MemAvailable, or less where a cgroup limits us; None if unknown."""
+    left = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                left = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            left = min(left if left is not None else 1 << 62, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return left
+
+
+def worker_memory() -> int | None:
+    """A worker's memory, measured as this process's resident set: a worker imports what this process
+    did (torch, lbt) and builds the model and data again, so it needs at least as much."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_resources(procs: int, allow: bool = False) -> None:
+    """Refuse, in one line with both numbers, more processes than cores or than the memory left holds."""
+    if procs <= 1 or allow or os.environ.get(OVERSUBSCRIBE) == "1":
+        return
+    insist = "or dist.allow_oversubscribe=true to start them anyway"
+    cores = usable_cores()
+    if procs > cores:
+        raise ConfigError(f"dist.procs={procs} but this machine gives lbt {cores} cores (its CPU affinity): use "
+                          f"dist.procs={cores} or fewer (dist.world_size simulates the rest exactly), {insist}")
+    need, left = worker_memory(), memory_left()
+    if need and left is not None and procs * need > left:
+        raise ConfigError(f"dist.procs={procs} needs about {procs * need / 2**30:.1f} GiB ({need / 2**20:,.0f} MiB "
+                          f"per worker, measured as this process's resident memory) but {left / 2**30:.1f} GiB is "
+                          f"left, room for {left // need} workers: use fewer, {insist}")
+
+
+# -- a worker's failure ---------------------------------------------------------------------------
+def os_error_of(error: BaseException) -> OSError | None:
+    """The OSError under an exception: torch.save reports a full disk as a RuntimeError raised while
+    handling the file's OSError (errno ENOSPC or EFBIG)."""
+    seen: BaseException | None = error
+    for _ in range(8):
+        if seen is None or isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def lasting(error: BaseException) -> bool:
+    """Whether a restart would meet this error again (a full disk, permissions, a config error)."""
+    found = os_error_of(error)
+    return isinstance(error, ConfigError) or (found is not None and found.errno in LASTING_ERRNOS)
+
+
+def where(error: BaseException) -> str:
+    """`path:line` of the innermost frame in lbt or user code (not the standard library's, torch's or another
+    installed package's) of an exception's traceback."""
+    skip = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+    frames = traceback.extract_tb(error.__traceback__)
+    own = [f for f in frames if not f.filename.startswith(skip) and not f.filename.startswith("<")] or frames
+    if not own:
+        return "?"
+    path = Path(own[-1].filename)
+    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        if path.is_relative_to(root):
+            path = path.relative_to(root)
+            break
+    return f"{path}:{own[-1].lineno}"
+
+
+def describe(error: BaseException) -> str:
+    """One line: the exception's type and message (a full disk as its OSError), and where it was raised."""
+    found = os_error_of(error)
+    shown = found if found is not None and not isinstance(error, ConfigError) else error
+    text = " ".join(str(shown).split()) or type(shown).__name__
+    return f"{type(shown).__name__}: {text[:400]} ({where(error)})"
+
+
+def report_failure(rank: int, message: str, retry: bool, lost_peers: bool = False) -> None:
+    """In a spawned worker: tell the launcher why this rank fails (no-op in other processes)."""
+    folder = os.environ.get(ERRORS)
+    if not folder:
+        return
+    report = {"message": message, "retry": retry, "lost_peers": lost_peers, "time": time.time()}
+    try:
+        (Path(folder) / f"rank{rank}.json").write_text(json.dumps(report))
+    except OSError:
+        pass  # the parent still names the rank and its exit code
+
+
+def _reports(folder: str) -> dict[int, dict]:
+    reports = {}
+    for path in Path(folder).glob("rank*.json"):
+        try:
+            reports[int(path.stem.removeprefix("rank"))] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+    return reports
 
 
 def _exit_reason(code: int) -> str:
@@ -50,36 +190,75 @@ def _exit_reason(code: int) -> str:
     return f"exit code {code}"
 
 
-def launch_local(fn: Callable, args: tuple, procs: int) -> None:
+# -- starting and watching ------------------------------------------------------------------------
+def _entry(rank: int, fn: Callable, *args) -> None:
+    """A spawned worker's first code: it started with SIGTERM/SIGINT blocked (so a stop cannot kill it
+    half-started); from here a stop is recorded (`signal_received`) until the worker installs its own."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda signum, frame: _received.append(signum))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    fn(rank, *args)
+
+
+def signal_received() -> int | None:
+    """In a spawned worker: the first stop signal it got before it installed its own handlers."""
+    return _received[0] if _received else None
+
+
+def launch_local(fn: Callable, args: tuple, procs: int, on_signal: Callable[[int], None] | None = None) -> int | None:
     """Start `procs` processes running fn(rank, store_port, *args) and watch them.
 
     The parent owns the rendezvous store (port chosen by the OS, so no port can
     be "in use"). If any process fails, the rest are stopped within seconds and
-    WorkerDied names the rank that caused it (see `_cause`).
+    WorkerDied names the rank that caused it and why (see `_cause`). A SIGTERM
+    or SIGINT to the parent is forwarded to the workers (and to `on_signal`): the
+    job was told to stop, so its end is returned (the signal), never a failure.
     """
     store = dist.TCPStore(HOST, 0, procs + 1, is_master=True, wait_for_workers=False)
     if mp.get_start_method(allow_none=True) not in (None, "spawn", "fork", "forkserver"):
         # A job of a sweep run by Hydra's joblib launcher (loky workers) carries loky's start method, which
         # the spawned workers would try to restore and cannot ("cannot find context for 'loky'").
         mp.set_start_method("spawn", force=True)
-    context = mp.start_processes(fn, args=(store.port, *args), nprocs=procs, join=False, start_method="spawn")
-    processes = context.processes
+    stopped: list[int] = []
 
     def forward(signum, frame):
         # Preemption reaches the launcher: the workers checkpoint and stop together.
+        if not stopped and on_signal is not None:
+            on_signal(signum)
+        stopped.append(signum)
         for p in processes:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGTERM)
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    processes: list = []
+    previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+    with tempfile.TemporaryDirectory(prefix="lbt-workers-") as errors:
+        try:
+            processes += _start(fn, (store.port, *args), procs, errors)
+            failed = _watch(processes)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        try:
+            if failed:
+                _stop_all(processes, failed, procs, errors)
+        except WorkerDied:
+            if not stopped:
+                raise
+    return stopped[0] if stopped else None
+
+
+def _start(fn: Callable, args: tuple, procs: int, errors: str) -> list:
+    """The processes, spawned with the stop signals blocked (they inherit the mask; `_entry` unblocks them)
+    and the folder for their failure reports in their environment."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    os.environ[ERRORS] = errors
     try:
-        failed = _watch(processes)
+        context = mp.start_processes(_entry, args=(fn, *args), nprocs=procs, join=False, start_method="spawn")
+        return context.processes
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if not failed:
-        return
-    _stop_all(processes, failed, procs)
+        del os.environ[ERRORS]
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def _watch(processes: list) -> list[int]:
@@ -95,7 +274,7 @@ def _watch(processes: list) -> list[int]:
     return failed
 
 
-def _stop_all(processes: list, failed: list[int], procs: int) -> None:
+def _stop_all(processes: list, failed: list[int], procs: int, errors: str) -> None:
     # Give the peers a moment to notice on their own, so the report can tell the
     # rank that died from the ranks that merely lost their peer.
     deadline = time.monotonic() + 3.0
@@ -109,23 +288,30 @@ def _stop_all(processes: list, failed: list[int], procs: int) -> None:
         p.join(timeout=5.0)
         if p.is_alive():
             p.kill()
-    cause = _cause(codes, failed)
-    if codes[cause] == 2:
-        # A config error inside the worker: it already printed its one line.
-        raise WorkerDied("")
+    reports = _reports(errors)
+    cause = _cause(codes, failed, reports)
+    report = reports.get(cause, {})
+    if codes[cause] == 2 and cause == 0:
+        # A config error inside the worker: rank 0 already printed its one line.
+        raise WorkerDied("", retry=False)
     how = _exit_reason(codes[cause])
-    raise WorkerDied(f"worker rank {cause} failed ({how}); stopped the other {procs - 1} worker(s)", cause, how)
+    why = f": {report['message']}" if report.get("message") else f" ({how})"
+    logged = report.get("message") and not report.get("lost_peers")
+    raise WorkerDied(f"worker rank {cause} failed{why}; stopped the other {procs - 1} worker(s)"
+                     + ("; its traceback is in train.log" if logged else ""),
+                     cause, how, retry=report.get("retry", True) and codes[cause] != 2)
 
 
-def _cause(codes: dict[int, int | None], failed: list[int]) -> int:
+def _cause(codes: dict[int, int | None], failed: list[int], reports: dict[int, dict] | None = None) -> int:
     """The rank whose death brought the job down.
 
-    A peer that loses its partner mid-collective either raises (an exit code)
-    or, inside gloo's C++ threads, aborts ("terminate called without an active
-    exception", SIGABRT), and it may do so in the same instant the real cause
-    dies. So a rank killed by any other signal (OOM killer, SIGKILL, SIGSEGV)
-    is the cause first, then a rank that exited with an error, then SIGABRT;
-    ties go to the rank seen failing first.
+    A rank that reported its own error (not a lost peer) is the cause first, the
+    earliest report first. Otherwise: a peer that loses its partner mid-collective
+    either raises (an exit code) or, inside gloo's C++ threads, aborts ("terminate
+    called without an active exception", SIGABRT), and it may do so in the same
+    instant the real cause dies. So a rank killed by any other signal (OOM killer,
+    SIGKILL, SIGSEGV) is the cause first, then a rank that exited with an error,
+    then SIGABRT; ties go to the rank seen failing first.
     """
     def kind(code: int) -> int:
         if code < 0:
@@ -134,6 +320,7 @@ def _cause(codes: dict[int, int | None], failed: list[int]) -> int:
 
     seen_later = [rank for rank, code in codes.items() if code not in (None, 0) and rank not in failed]
     dead = failed + seen_later  # in the order they were seen; min() keeps the first of equal kinds
+    own = [rank for rank in dead if not (reports or {}).get(rank, {"lost_peers": True})["lost_peers"]]
+    if own and not any(codes[rank] < 0 and -codes[rank] != signal.SIGABRT for rank in dead):
+        return min(own, key=lambda rank: (reports or {})[rank]["time"])
     return min(dead, key=lambda rank: kind(codes[rank]))
-
-

@@ -73,8 +73,9 @@ class RunResult:
     test_acc: float | None = None  # the test split, once, at the end
     test_loss: float | None = None
     history: list[EvalPoint] = field(default_factory=list)
-    steps: int = 0
+    steps: int = 0  # what ran (a resume never trains less than its checkpoint had: it is refused)
     samples_seen: int = 0
+    epochs: float = 0.0  # epochs of training data seen (samples_seen / training samples), whatever trainer.epochs says
     train_seconds: float = 0.0
     eval_seconds: float = 0.0  # evaluating the held-out split during training (not in train_seconds)
     wall_seconds: float = 0.0

@@ -107,6 +107,9 @@ class DistSpec:
     max_restarts: int = 0
     tensor_parallel: int | str = 1  # a number, or "auto" (see `auto_tensor_parallel`)
     max_global_batch: int | None = None
+    # More processes than cores (or than the memory left holds) are refused unless this is true
+    # (lbt/parallel/launcher.py: check_resources).
+    allow_oversubscribe: bool = False
 
 
 @dataclass(frozen=True)
@@ -215,6 +218,7 @@ def resolve_dist(dist: DistSpec, trainer: TrainerSpec, launch: Launch) -> DistSp
     one_of("dist.backend", dist.backend, ("auto", "gloo", "nccl"))
     one_of("dist.fuse_workers", dist.fuse_workers, (True, False, "auto"))
     integer("dist.max_restarts", dist.max_restarts, 0, 1000)
+    one_of("dist.allow_oversubscribe", dist.allow_oversubscribe, (True, False))
     for key in ("world_size", "procs"):  # null means "as many as there are"; 0 is a mistake, not "unset"
         if getattr(dist, key) is not None:
             integer(f"dist.{key}", getattr(dist, key))
@@ -277,7 +281,7 @@ def check_adam_settings(schedule: ScheduleSpec, optim: Target) -> None:
     number("optim.eps", eps, low=0)
 
 
-# Config keys that may differ between a checkpoint and the run that resumes it (README "Faults"):
+# Config keys that may differ between a checkpoint and the run that resumes it (docs/faults.md):
 # the budget (to extend a run), how it is run and shown, where data lives, and labels. Every other
 # key defines the run (model, data, batches, world size, optimizer, schedule, techniques, seed).
 MAY_CHANGE = (
@@ -285,7 +289,9 @@ MAY_CHANGE = (
     "trainer.evals", "trainer.device", "trainer.threads", "trainer.checkpoint_every", "trainer.keep_checkpoints",
     "trainer.compile", "trainer.channels_last", "trainer.loader_workers", "trainer.snapshot_samples",
     "dist.procs",  # checked on its own: the per-process files need the same count
-    "dist.backend", "dist.timeout_s", "dist.fuse_workers", "dist.max_restarts",
+    # Not dist.fuse_workers: fused and sequential passes round differently, and a resumed run that
+    # switches drifts from the straight one (0.25 in loss after 64 steps), so it is part of the run.
+    "dist.backend", "dist.timeout_s", "dist.max_restarts", "dist.allow_oversubscribe",
     "data.data_dir", "data.root", "recipe", "overrides", "tune", "study", "extra_sweeps",
 )
 
