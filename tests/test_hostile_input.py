@@ -54,7 +54,7 @@ override_sets = st.lists(
 )
 
 
-@settings(max_examples=50, deadline=60_000, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=30, deadline=60_000, suppress_health_check=[HealthCheck.too_slow,
                                                                        HealthCheck.function_scoped_fixture])
 @pytest.mark.slow
 @given(override_sets)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import lbt_cli, train
+from test_cli_errors import run_main
 
 from lbt.apps.study_folder import StudyJob, StudyRecord, claim, expected_jobs, grid_jobs
 from lbt.errors import ConfigError
@@ -94,7 +95,7 @@ def _final_models(folder: Path) -> dict[str, dict]:
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_a_study_and_the_same_command_continues_it_exactly(tmp_path):
+def test_ctrl_c_stops_a_study_and_the_same_command_continues_it_exactly(tmp_path, capfd):
     folder = tmp_path / "study"
     study = _start_study(folder, tmp_path)
     deadline = time.time() + 120
@@ -129,8 +130,8 @@ def test_ctrl_c_stops_a_study_and_the_same_command_continues_it_exactly(tmp_path
     assert rerun.returncode == 0 and rerun.stdout.count("finished earlier") == 4, rerun.stdout
     assert {p: p.read_bytes() for p in results} == results
     # Another grid into the same folder is refused, naming what differs.
-    other = lbt_cli([*STUDY[:3], "recipe=baseline", *STUDY[4:], f"hydra.sweep.dir={folder}"], tmp_path)
-    assert other.returncode == 2 and "holds another study (it has recipe=lars)" in other.stderr
+    code, err = run_main([*STUDY[:3], "recipe=baseline", *STUDY[4:], f"hydra.sweep.dir={folder}"], capfd)
+    assert code == 2 and "holds another study (it has recipe=lars)" in err
     summary = json.loads((folder / "summary.json").read_text())
     assert len(summary["jobs"]) == 4
 
