@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_cli_errors import run_main
 
 from tests.conftest import final_params, lbt_cli, relative_diff, train
 
@@ -113,7 +114,6 @@ def test_probe_end_to_end_and_continued_without_training_a_branch_twice(tmp_path
     assert json.loads((folder / "probe.json").read_text())["answer"] == answer
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("args, says", [
     (["probe.max_factor=3"], "probe.max_factor=3: give a power of two"),
     (["probe.checkpoints=0"], "probe.checkpoints"),
@@ -123,10 +123,12 @@ def test_probe_end_to_end_and_continued_without_training_a_branch_twice(tmp_path
     (["probe.metric=bleu"], "probe.metric=bleu"),
     (["probe.seeds=1"], "probe.seeds"),
 ])
-def test_bad_probe_settings_are_one_line(tmp_path, args, says):
-    done = lbt_cli(["probe", *PROBE, *args, f"probe.dir={tmp_path / 'p'}"], cwd=tmp_path)
-    lines = done.stderr.strip().splitlines()
-    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("lbt: error:"), done.stderr
+def test_bad_probe_settings_are_one_line(tmp_path, args, says, capfd, monkeypatch):
+    """In this process, as `lbt probe` runs it (test_a_probe_folder_of_another_probe... runs the command)."""
+    monkeypatch.chdir(tmp_path)
+    code, err = run_main(["probe", *PROBE, *args, f"probe.dir={tmp_path / 'p'}"], capfd)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("lbt: error:"), err
     assert says in lines[0]
     assert not (tmp_path / "p").exists()  # refused before anything was written
 

@@ -41,12 +41,12 @@ def test_a_diverged_batch_does_not_count():
     assert gpu_answer(rows, tolerance=1.0)["best"]["global_batch"] == 4096
 
 
-@pytest.mark.slow
-def test_lbt_study_checks_its_report_options_before_running(tmp_path):
-    from conftest import lbt_cli
+def test_lbt_study_checks_its_report_options_before_running(tmp_path, capfd, monkeypatch):
+    from test_cli_errors import run_main
 
-    result = lbt_cli(["study", "--target", "95", "hydra.sweep.dir=" + str(tmp_path / "s")], tmp_path, timeout=60)
-    assert result.returncode == 2 and "write 95%" in result.stderr and not (tmp_path / "s").exists()
+    monkeypatch.chdir(tmp_path)
+    code, err = run_main(["study", "--target", "95", "hydra.sweep.dir=" + str(tmp_path / "s")], capfd)
+    assert code == 2 and "write 95%" in err and not (tmp_path / "s").exists()
 
 
 @pytest.mark.parametrize("value, ok", [("0.5", True), ("0", False), ("abc", False)])

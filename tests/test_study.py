@@ -120,23 +120,33 @@ def test_a_diverged_or_failed_job_is_reported_not_fatal(tmp_path):
     assert "diverged 1/2" in report and "error 1/2" in report and "## Failed jobs" in report
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("launcher,target", [("slurm", "SlurmLauncher"), ("local_parallel", "JoblibLauncher")])
-def test_launcher_configs_compose_without_a_cluster(launcher, target, tmp_path):
-    job = lbt_cli(["train", f"hydra/launcher={launcher}", "recipe=goyal2017", "--cfg", "job"],
-                  tmp_path, timeout=60)
-    assert job.returncode == 0, job.stderr
-    assert "dist:" in job.stdout and "trainer:" in job.stdout
-    hydra_cfg = lbt_cli(["train", f"hydra/launcher={launcher}", "--cfg", "hydra"], tmp_path, timeout=60)
-    assert hydra_cfg.returncode == 0 and target in hydra_cfg.stdout
+def test_launcher_configs_compose_without_a_cluster(launcher, target, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out = in_process(["train", f"hydra/launcher={launcher}", "recipe=goyal2017", "--cfg", "job"], capsys)
+    assert code == 0 and "dist:" in out and "trainer:" in out, out
+    code, out = in_process(["train", f"hydra/launcher={launcher}", "--cfg", "hydra"], capsys)
+    assert code == 0 and target in out, out
 
 
-@pytest.mark.slow
-def test_study_configs_compose(tmp_path):
+def test_study_configs_compose(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     for study_name in ("default", "gpu_counts"):
-        out = lbt_cli(["train", f"study={study_name}", "--cfg", "hydra"], tmp_path, timeout=60)
-        assert out.returncode == 0, out.stderr
-        assert "mode: MULTIRUN" in out.stdout and "dist.world_size" in out.stdout
+        code, out = in_process(["train", f"study={study_name}", "--cfg", "hydra"], capsys)
+        assert code == 0 and "mode: MULTIRUN" in out and "dist.world_size" in out, out
+
+
+def in_process(args: list[str], capsys) -> tuple[int, str]:
+    """`lbt ARGS` in this process (as the command runs it): exit code and stdout."""
+    from lbt.apps.cli import main
+
+    capsys.readouterr()
+    code = 0
+    try:
+        main(args)
+    except SystemExit as done:
+        code = done.code or 0
+    return code, capsys.readouterr().out
 
 
 def _job(folder, recipe: str, world_size: int, seed: int, accs: list[float], b_simple: float, test: float,

@@ -97,6 +97,7 @@ def test_an_unreachable_database_is_one_line_without_its_password(tmp_path, caps
     assert err.startswith(f"lbt: error: tune.storage=postgresql://lbt:***@127.0.0.1:{port}/tune: cannot open")
 
 
+@pytest.mark.slow  # it waits out a grace period
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # this test asks Optuna itself, as lbt's claim does
 def test_a_trial_is_failed_only_once_its_worker_stops_beating(tmp_path):
     """Two running trials per storage: one whose worker died (one heartbeat, then nothing) and one whose worker
