@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,13 @@ def train(run_dir: Path, overrides: list[str]) -> dict:
     config, recipe = compose_config(FAST + overrides)
     result = run(make_spec(config, recipe), run_dir)
     return {"stopped": True} if result.stopped else result.to_json()
+
+
+def interrupted(finished: Path, tmp_path: Path) -> Path:
+    """A finished run's folder as if it was killed after its last checkpoint: its checkpoints, no result."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished, run_dir, ignore=shutil.ignore_patterns("result.json", "final_model.pt"))
+    return run_dir
 
 
 def names_val(key: str) -> bool:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, lbt_cli, train
+from conftest import FAST, interrupted, lbt_cli, train
 
 import lbt.engine.checkpoint
 from lbt.errors import ConfigError
@@ -60,12 +60,6 @@ def straight(tmp_path_factory) -> Path:
     train(run_dir, RUN)
     return run_dir
 
-
-def interrupted(straight: Path, tmp_path: Path) -> Path:
-    """The straight run as if killed after its last checkpoint (step 12): its checkpoints, no result."""
-    run_dir = tmp_path / "run"
-    shutil.copytree(straight, run_dir, ignore=shutil.ignore_patterns("result.json", "final_model.pt"))
-    return run_dir
 
 
 def test_the_last_two_checkpoints_are_kept_each_with_a_manifest(straight):

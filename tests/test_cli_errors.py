@@ -26,17 +26,24 @@ CASES = {
 }
 
 
-def run_main(args: list[str], capfd) -> tuple[int, str]:
+def run_main(args: list[str], capture) -> tuple[int, str]:
     """`lbt ARGS` in this process (lbt.apps.cli.main, as the command runs it): exit code and stderr."""
+    code, _, err = run_main_io(args, capture)
+    return code, err
+
+
+def run_main_io(args: list[str], capture) -> tuple[int, str, str]:
+    """`lbt ARGS` in this process: exit code, stdout and stderr (`capture`: pytest's capfd or capsys)."""
     from lbt.apps.cli import main
 
-    capfd.readouterr()
+    capture.readouterr()
     code = 0
     try:
         main(args)
     except SystemExit as done:
         code = done.code or 0
-    return code, capfd.readouterr().err
+    out, err = capture.readouterr()
+    return code, out, err
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import FAST, compose_config, lbt_cli, train
+from conftest import FAST, compose_config, interrupted, lbt_cli, train
 
 import lbt.engine.checkpoint
 from lbt.engine import make_spec
@@ -50,12 +50,6 @@ def finished(tmp_path_factory) -> Path:
     train(run_dir, RUN)
     return run_dir
 
-
-def interrupted(finished: Path, tmp_path: Path) -> Path:
-    """The run as if killed after its last checkpoint (step 8): its checkpoints, no result."""
-    run_dir = tmp_path / "run"
-    shutil.copytree(finished, run_dir, ignore=shutil.ignore_patterns("result.json", "final_model.pt"))
-    return run_dir
 
 
 def same_params(a: Path, b: Path) -> bool:

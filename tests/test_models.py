@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lbt.errors import ConfigError
-from lbt.models import MLP, BasicBlock, CNN1d, ResNet20, torchvision_model
+from lbt.models import MLP, BasicBlock, CNN1d, ResNet20, timm_model, torchvision_model
 
 
 def _has_batchnorm(model: nn.Module) -> bool:
@@ -67,9 +67,10 @@ def test_torchvision_model_by_name():
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
 
 
-def test_unknown_torchvision_model_is_a_config_error():
+@pytest.mark.parametrize("build", [torchvision_model, timm_model])
+def test_an_unknown_model_name_is_one_line_with_close_names(build):
     with pytest.raises(ConfigError, match="resnet1800") as info:
-        torchvision_model("resnet1800", input_shape=(3, 32, 32), num_classes=10)
+        build("resnet1800", input_shape=(3, 32, 32), num_classes=10)
     message = str(info.value)
     assert "\n" not in message and "resnet18" in message
 

@@ -6,6 +6,7 @@ import math
 import pytest
 from conftest import lbt_cli, names_val
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from test_cli_errors import run_main_io
 
 TINY = ["data=synthetic", "model=mlp", "trainer.epochs=2", "trainer.progress=false", "trainer.per_worker_batch=32"]
 
@@ -123,30 +124,18 @@ def test_a_diverged_or_failed_job_is_reported_not_fatal(tmp_path):
 @pytest.mark.parametrize("launcher,target", [("slurm", "SlurmLauncher"), ("local_parallel", "JoblibLauncher")])
 def test_launcher_configs_compose_without_a_cluster(launcher, target, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    code, out = in_process(["train", f"hydra/launcher={launcher}", "recipe=goyal2017", "--cfg", "job"], capsys)
+    code, out, _ = run_main_io(["train", f"hydra/launcher={launcher}", "recipe=goyal2017", "--cfg", "job"], capsys)
     assert code == 0 and "dist:" in out and "trainer:" in out, out
-    code, out = in_process(["train", f"hydra/launcher={launcher}", "--cfg", "hydra"], capsys)
+    code, out, _ = run_main_io(["train", f"hydra/launcher={launcher}", "--cfg", "hydra"], capsys)
     assert code == 0 and target in out, out
 
 
 def test_study_configs_compose(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for study_name in ("default", "gpu_counts"):
-        code, out = in_process(["train", f"study={study_name}", "--cfg", "hydra"], capsys)
+        code, out, _ = run_main_io(["train", f"study={study_name}", "--cfg", "hydra"], capsys)
         assert code == 0 and "mode: MULTIRUN" in out and "dist.world_size" in out, out
 
-
-def in_process(args: list[str], capsys) -> tuple[int, str]:
-    """`lbt ARGS` in this process (as the command runs it): exit code and stdout."""
-    from lbt.apps.cli import main
-
-    capsys.readouterr()
-    code = 0
-    try:
-        main(args)
-    except SystemExit as done:
-        code = done.code or 0
-    return code, capsys.readouterr().out
 
 
 def _job(folder, recipe: str, world_size: int, seed: int, accs: list[float], b_simple: float, test: float,

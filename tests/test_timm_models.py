@@ -30,13 +30,6 @@ def test_a_fixed_size_model_takes_the_datas_image_size_and_builder_arguments():
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
 
 
-def test_unknown_timm_model_suggests_close_names():
-    with pytest.raises(ConfigError, match="resnet1800") as info:
-        timm_model("resnet1800", input_shape=(3, 32, 32), num_classes=10)
-    message = str(info.value)
-    assert "\n" not in message and "resnet18" in message
-
-
 def test_never_pretrained_and_images_only():
     with pytest.raises(ConfigError, match="never downloads weights"):
         timm_model("resnet10t", input_shape=(3, 32, 32), num_classes=10, pretrained=True)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import difflib
-
 from torch import nn
 
 from lbt.errors import ConfigError
+from lbt.models.by_name import unknown_name
 
 INSTALL = "pip install 'lbt[models]'"
 
@@ -26,11 +25,9 @@ def timm_model(name: str, input_shape=(3, 224, 224), num_classes: int = 1000, **
         raise ConfigError(f"model=timm needs timm, which is not installed: {INSTALL}") from None
 
     if not timm.is_model(name):
-        names = timm.list_models()
-        close = difflib.get_close_matches(name, names, n=3) or timm.list_models(f"*{name[:4]}*")[:3] \
-            or ["resnet18", "resnet50", "vit_small_patch16_224"]
-        raise ConfigError(f"model.name={name!r}: not a timm model; try {', '.join(close)} "
-                          f"(all {len(names)}: timm.list_models(), e.g. timm.list_models('resnet*'))")
+        fallback = timm.list_models(f"*{name[:4]}*")[:3] or ["resnet18", "resnet50", "vit_small_patch16_224"]
+        raise unknown_name(name, timm.list_models(), "timm", fallback,
+                           "timm.list_models(), e.g. timm.list_models('resnet*')")
     if kwargs.pop("pretrained", False) or kwargs.get("checkpoint_path"):
         raise ConfigError("model.pretrained: lbt trains from scratch and never downloads weights; remove it")
     if len(input_shape) != 3:

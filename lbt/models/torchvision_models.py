@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import difflib
-
 from torch import nn
 
 from lbt.errors import ConfigError
+from lbt.models.by_name import unknown_name
 
 
 def torchvision_model(name: str, input_shape=(3, 224, 224), num_classes: int = 1000, **kwargs) -> nn.Module:
@@ -22,11 +21,8 @@ def torchvision_model(name: str, input_shape=(3, 224, 224), num_classes: int = 1
 
     names = torchvision.models.list_models(module=torchvision.models)  # classification models only
     if name not in names:
-        close = difflib.get_close_matches(name, names, n=3) or ["resnet18", "resnet50", "vit_b_16"]
-        raise ConfigError(
-            f"model.name={name!r}: not a torchvision classification model; try {', '.join(close)} "
-            f"(all {len(names)}: torchvision.models.list_models(module=torchvision.models))"
-        )
+        raise unknown_name(name, names, "torchvision classification", ["resnet18", "resnet50", "vit_b_16"],
+                           "torchvision.models.list_models(module=torchvision.models)")
     if "weights" in kwargs:
         raise ConfigError("model.weights: lbt trains from scratch and never downloads weights; remove model.weights")
     if len(input_shape) != 3 or int(input_shape[0]) != 3:

@@ -101,12 +101,12 @@ def keyword_names(node: Mapping[str, Any], key: str) -> set[str] | None:
     """The keywords a `_target_` node's callable takes (None: any). A builder that passes its other
     keywords on to a class its node names (`optim`: create_optimizer to `optimizer_class`) takes that
     class's keywords too."""
-    accepted = _parameters(locate(f"{key}._target_", str(node["_target_"])))
+    target = locate(f"{key}._target_", str(node["_target_"]))
+    accepted = _parameters(target)
     if accepted is not None or not isinstance(node.get("optimizer_class"), str):
         return accepted
     passed_on = _parameters(locate(f"{key}.optimizer_class", node["optimizer_class"]))
-    builder = _parameters(locate(f"{key}._target_", str(node["_target_"])), var_keyword=False)
-    return None if passed_on is None else passed_on | (builder or set())
+    return None if passed_on is None else passed_on | (_parameters(target, var_keyword=False) or set())
 
 
 def _parameters(function: Any, var_keyword: bool = True) -> set[str] | None:
