@@ -111,9 +111,22 @@ def ring_allreduce_seconds(nbytes: float, workers: int, bandwidth_bytes_per_s: f
     return ring_bytes_sent(nbytes, workers) / bandwidth_bytes_per_s + 2 * (workers - 1) * latency_s
 
 
+def fsdp_seconds(nbytes: float, workers: int, bandwidth_bytes_per_s: float, latency_s: float) -> float:
+    """A sharded step's communication (lbt/parallel/fsdp.py): two all-gathers and a reduce-scatter of
+    `nbytes`, each (W-1) messages of 1/W of it per worker: 1.5x a ring allreduce's bytes and messages."""
+    return 1.5 * ring_allreduce_seconds(nbytes, workers, bandwidth_bytes_per_s, latency_s)
+
+
 def ring_bytes_sent(nbytes: float, workers: int) -> float:
     """Bytes each worker sends in a ring allreduce of `nbytes`: 2 (W-1)/W x nbytes (0 for one worker)."""
     return 2 * (workers - 1) / workers * nbytes
+
+
+def fsdp_bytes_sent(nbytes: float, workers: int) -> float:
+    """Bytes each worker sends per step under sharded data parallelism (lbt/parallel/fsdp.py): an all-gather
+    of the parameters in forward and one in backward, a reduce-scatter of the gradients, each (W-1)/W x
+    nbytes: 3 (W-1)/W x nbytes, 1.5x the ring allreduce's (ZeRO stage 3; Rajbhandari et al. 2020, sec. 7)."""
+    return 3 * (workers - 1) / workers * nbytes
 
 
 def step_seconds(compute_s: float, allreduce_s: float, overlap: float = 0.0, backward_s: float | None = None) -> float:
@@ -229,14 +242,17 @@ def scaling_rows(
     overlap: float = 0.0,
     critical_batch: float | None = None,
     delay: int = 0,
+    shard: str = "none",
 ) -> list[ScalingRow]:
-    """The table over W: step and epoch time, speedup vs W=1 and scaling efficiency."""
+    """The table over W: step and epoch time, speedup vs W=1 and scaling efficiency (`shard=fsdp`: the
+    communication of a sharded step, `fsdp_seconds`, in the allreduce column)."""
     nbytes = gradient_bytes(compute.num_params, compression)
     b = compute.per_worker_batch
     base_epoch = epoch_seconds(compute.slowest_of(1), train_samples, b)  # W=1: no communication
+    communicate = fsdp_seconds if shard == "fsdp" else ring_allreduce_seconds
     rows: list[ScalingRow] = []
     for w in workers:
-        comm = ring_allreduce_seconds(nbytes, w, network.bandwidth_bytes_per_s, network.latency_s)
+        comm = communicate(nbytes, w, network.bandwidth_bytes_per_s, network.latency_s)
         slowest = compute.slowest_of(w)
         synchronous = step_seconds(slowest, comm, overlap, compute.backward_s)
         step = overlapped_step_seconds(slowest, comm) if delay else synchronous

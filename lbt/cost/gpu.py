@@ -61,6 +61,11 @@ GPUS: dict[str, Gpu] = {
 }
 
 
+# Memory per GPU, GB, from the same datasheets (the larger model where a GPU comes in two: V100 32 GB, A100 80 GB).
+MEMORY_GB = {"v100": 32.0, "a10": 24.0, "l4": 24.0, "l40s": 48.0, "a100": 80.0, "h100": 80.0, "h200": 141.0,
+             "mi300x": 192.0}
+
+
 def gpu_seconds(flops: float, gpu: Gpu, precision: str, utilization: float) -> float:
     """Seconds `flops` take on `gpu` at `precision` running at `utilization` of its dense peak."""
     if precision not in gpu.tflops:

@@ -7,6 +7,7 @@ samples at the same step.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Iterator
 
@@ -108,7 +109,26 @@ class _Steps:
 
 def eval_batches(dataset: Dataset, rank: int, procs: int, batch: int, device: torch.device, num_workers: int = 0,
                  memory_format: torch.memory_format = torch.contiguous_format):
-    """This process's share (every procs-th sample) of an evaluation set, in batches."""
+    """This process's share (every procs-th sample) of an evaluation set, in batches.
+
+    Every process gets as many batches as the largest share has: a share that runs out first gets empty
+    ones, since a sharded model (dist.shard=fsdp) gathers its parameters with every forward, which all
+    processes must make together."""
+    largest_share = math.ceil(math.ceil(len(dataset) / procs) / batch)  # rank 0's, in batches
+    count = 0
+    for inputs, labels in _share_batches(dataset, rank, procs, batch, device, num_workers, memory_format):
+        count += 1
+        yield inputs, labels
+    if count < largest_share:
+        x, y = dataset[0]
+        empty = (torch.as_tensor(x).unsqueeze(0)[:0].to(device).contiguous(memory_format=memory_format),
+                 torch.as_tensor(y).unsqueeze(0)[:0].to(device))
+        for _ in range(largest_share - count):
+            yield empty
+
+
+def _share_batches(dataset: Dataset, rank: int, procs: int, batch: int, device: torch.device, num_workers: int,
+                   memory_format: torch.memory_format):
     if isinstance(dataset, InMemoryDataset):
         x, y = dataset.x[rank::procs], dataset.y[rank::procs]
         for start in range(0, len(y), batch):

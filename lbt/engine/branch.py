@@ -54,7 +54,7 @@ def take_snapshot(trainer: Trainer, run_dir: str) -> None:
 
 def start_branch(trainer: Trainer, snapshot: dict, samples: int, diverge: float) -> None:
     """Set the trainer to continue `snapshot` for `samples` samples at its own batch (see the module)."""
-    load_model_and_optimizer(trainer.model, trainer.optimizer, snapshot["model"], snapshot["optimizer"], trainer.ctx)
+    load_model_and_optimizer(trainer.model, trainer.optimizer, snapshot, trainer.ctx)
     load_buffers(trainer.model, snapshot["buffers"])
     base, layout = LoopState(**snapshot["loop"]), trainer.budget.layouts[0]
     epoch, offset = base.epoch, base.step_in_epoch * snapshot["global_batch"]

@@ -19,7 +19,7 @@ from lbt.engine.precision import check_channels_last
 from lbt.engine.strategies.base import StepStrategy
 from lbt.errors import ConfigError
 from lbt.metrics.text_log import note, say_once
-from lbt.parallel import tensor_parallel
+from lbt.parallel import fsdp, tensor_parallel
 from lbt.parallel.process_group import DistContext
 from lbt.spec.batching import BatchLayout, Budget, check_fits, make_budget
 from lbt.spec.lr import Schedule, build_schedule
@@ -50,7 +50,7 @@ TECHNIQUE_KINDS = (Technique, StepStrategy)
 
 def check_targets(spec: RunSpec) -> None:
     """Every dotted path the spec names imports and can build what its key expects (checked before a run
-    starts: `model._target_=os.system` is refused, not called)."""
+    starts: `model._target_=os.system` is refused, not called); a sharded run's techniques and optimizer."""
     locate("model._target_", spec.model.target, nn.Module)
     locate("data._target_", spec.data.target, DataSplits)
     locate("optim._target_", spec.optim.target, torch.optim.Optimizer)
@@ -60,6 +60,10 @@ def check_targets(spec: RunSpec) -> None:
         locate("data.dataset", spec.data.kwargs["dataset"], tuple)
     for technique in spec.techniques:
         locate(f"{technique.key}._target_", technique.target, TECHNIQUE_KINDS)
+    if spec.dist.shard == "fsdp" and spec.layout.procs > 1:  # sharded: refused before any process starts
+        refuse_unsharded([instantiate(target, TECHNIQUE_KINDS) for target in spec.techniques])
+        if isinstance(spec.optim.kwargs.get("optimizer_class"), str):
+            fsdp.check_optimizer(spec.optim.kwargs["optimizer_class"])
 
 
 def build_data(data: Target) -> DataSplits:
@@ -100,7 +104,9 @@ def build_parts(spec: RunSpec, ctx: DistContext, extra_techniques: list[Techniqu
     techniques, strategy = build_techniques(spec, extra_techniques)
     model = build_placed_model(spec, data, techniques, strategy, ctx)
     data = data.to(ctx.device)  # in-memory data lives on the device: batches are gathered there
-    optimizer = instantiate(spec.optim, torch.optim.Optimizer)(model)
+    optimizer = instantiate(spec.optim, torch.optim.Optimizer)(model)  # after sharding: it steps on the shards
+    if ctx.sharded:
+        fsdp.check_optimizer(optimizer)
     if ctx.tensor_parallel > 1:
         tensor_parallel.unfuse(optimizer)
     loss_fn: Callable = nn.CrossEntropyLoss()
@@ -158,6 +164,12 @@ def build_placed_model(spec: RunSpec, data: DataSplits, techniques: list[Techniq
     if spec.trainer.channels_last:
         check_channels_last(data.input_shape)
         model.to(memory_format=torch.channels_last)
+    if ctx.sharded:
+        refuse_unsharded([*techniques, strategy])
+        blocks = fsdp.shard_model(model, ctx.mesh["dp"], spec.trainer.precision, spec.model.name)
+        shown = ", ".join(blocks[:4]) + (", ..." if len(blocks) > 4 else "")
+        say_once(f"dist.shard=fsdp: {ctx.dp_procs} data-parallel ranks each hold 1/{ctx.dp_procs} of the model, "
+                 f"gathered block by block ({len(blocks)} blocks: {shown})")
     return model
 
 
@@ -192,6 +204,23 @@ def check_model_takes(model: nn.Module, data: DataSplits) -> None:
                           "torchvision, timm; text (data=text): char_transformer; tokens (data=tokens): gpt)") from None
     finally:
         model.train(training)
+
+
+def refuse_unsharded(parts: list[Technique | StepStrategy]) -> None:
+    """What needs the replicated model or DDP's hooks cannot run sharded: one line for the first such part.
+
+    A step strategy (local SGD, gradient delay) keeps whole models or gradients of its own; a DDP
+    communication hook (compression, gns between real workers) has no DDP to hook into; a measurement of
+    one worker's gradient (gns with simulated workers) takes a second backward that FSDP would reduce."""
+    for part in parts:
+        if isinstance(part, StepStrategy) and type(part) is not StepStrategy:
+            why = "it replaces the synchronous step, which FSDP's reduce-scatter is"
+        elif isinstance(part, Technique) and (type(part).comm_hook is not Technique.comm_hook
+                                              or part.simulated_comm is not None or part.worker_gradient_every):
+            why = "it reads or changes the gradient DDP sends between workers, and a sharded run has no DDP"
+        else:
+            continue
+        raise ConfigError(f"technique.{part.name} with dist.shard=fsdp: {why}; use dist.shard=none")
 
 
 def refuse_comm_hooks(parts: list[Technique | StepStrategy], tensor_parallel: int, dp_procs: int) -> None:

@@ -4,6 +4,9 @@ Layout in the run folder:
 
     checkpoint/step_<S>/rank<r>.pt     rank 0: model, optimizer, loop state and result so far;
                                        every rank: its BN buffers, RNG states and technique state
+    checkpoint/step_<S>/shards/        a sharded run's (dist.shard=fsdp) model and optimizer state, written by
+                                       torch.distributed.checkpoint: each rank its own shards, rank 0 the metadata;
+                                       it loads on any number of processes (resharded as it loads)
     checkpoint/step_<S>/manifest.json  each file's SHA-256, the process count and the run's config
     checkpoint/latest.json             the newest step folder (for people and scripts; loading
                                        trusts the manifests)
@@ -48,6 +51,7 @@ LATEST = "latest.json"
 MANIFEST = "manifest.json"
 PARTIAL = ".partial"  # a step folder being written
 DAMAGED = ".damaged"  # a step folder that failed its checksums, kept aside for inspection
+SHARDS = "shards"  # a sharded run's model and optimizer (torch.distributed.checkpoint's files)
 # Bumped when what a checkpoint holds changes (an older one is refused with one line, not misread).
 FORMAT = 4
 
@@ -70,12 +74,18 @@ class Checkpointer:
         self.identity = identity or {}
 
     # -- writing --------------------------------------------------------------
-    def save(self, step: int, main_state: dict, rank_state: dict) -> None:
+    def save(self, step: int, main_state: dict, rank_state: dict, shards: dict | None = None) -> None:
+        """Rank 0's `main_state` and every rank's own `rank_state`; `shards` (a sharded run's model and
+        optimizer, DTensors) through torch.distributed.checkpoint, a collective of all ranks."""
         partial = self.root / f"step_{step}{PARTIAL}"
         payload = {**rank_state, **(main_state if self.rank == 0 else {})}
         with self._writing(partial):
             partial.mkdir(parents=True, exist_ok=True)
             atomic_write(partial / f"rank{self.rank}.pt", lambda f: torch.save(payload, f))
+            if shards is not None:
+                import torch.distributed.checkpoint as dcp
+
+                dcp.save(shards, checkpoint_id=partial / SHARDS)
         if self.procs > 1:
             dist.barrier()  # every rank's file is on disk before rank 0 publishes the folder
         if self.rank == 0:
@@ -86,7 +96,12 @@ class Checkpointer:
     def _publish(self, partial: Path, step: int) -> None:
         """Manifest, then one rename: the step folder appears complete or not at all."""
         files = {f"rank{r}.pt": file_sha256(partial / f"rank{r}.pt") for r in range(self.procs)}
-        manifest = {"step": step, "procs": self.procs, "format": FORMAT, "files": files, "run": self.identity}
+        sharded = (partial / SHARDS).is_dir()
+        if sharded:
+            files.update({str(path.relative_to(partial)): file_sha256(path)
+                          for path in sorted((partial / SHARDS).iterdir()) if path.is_file()})
+        manifest = {"step": step, "procs": self.procs, "format": FORMAT, "files": files, "run": self.identity,
+                    "sharded": sharded}
         atomic_write(partial / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
         folder = self.root / f"step_{step}"
         if folder.exists():  # the same step saved again, by a run resumed from an earlier checkpoint
@@ -174,9 +189,13 @@ class Checkpointer:
         if isinstance(choice, str):  # every rank raises the same error; rank 0 prints it
             raise ConfigError(choice)
         name, manifest = choice
-        self._check_belongs(manifest)
+        self._check_belongs(manifest, say_reshard=self.rank == 0)
         main = _load(self.root / name / "rank0.pt")
-        own = main if self.rank == 0 else _load(self.root / name / f"rank{self.rank}.pt")
+        # Resharded onto more processes: a new rank takes the state (RNG, buffers) of rank r mod the old count.
+        own_rank = self.rank % manifest["procs"]
+        own = main if own_rank == 0 else _load(self.root / name / f"rank{own_rank}.pt")
+        if manifest.get("sharded"):
+            main["shards_dir"] = str(self.root / name / SHARDS)
         return main, own
 
     def _choose(self) -> tuple[str, dict] | str | None:
@@ -208,18 +227,28 @@ class Checkpointer:
             return f"no intact checkpoint in {self.root} ({problems}); start a new run folder"
         return None
 
-    def _check_belongs(self, manifest: dict) -> None:
-        if manifest.get("procs") != self.procs:
+    def _check_belongs(self, manifest: dict, say_reshard: bool = False) -> None:
+        differ = identity_differences(manifest.get("run", {}), self.identity)
+        if differ and all(d.startswith("dist.shard ") for d in differ):
+            written = "sharded (dist.shard=fsdp)" if manifest.get("sharded") else "replicated (dist.shard=none)"
+            raise ConfigError(f"the checkpoint in {self.root} was written by a {written} run, and a checkpoint keeps "
+                              f"its layout: resume it as it was written ({differ[0]}), or start the other layout in "
+                              "another folder (hydra.run.dir=...)")
+        if manifest.get("procs") != self.procs and not manifest.get("sharded"):
             raise ConfigError(
                 f"the checkpoint in {self.root} was written by {manifest['procs']} processes; "
                 f"resume it with dist.procs={manifest['procs']}"
             )
-        differ = identity_differences(manifest.get("run", {}), self.identity)
         if differ:
             raise ConfigError(
                 f"the checkpoint in {self.root} belongs to another run: {', '.join(differ)}; resume with the "
                 "checkpoint's values, or start this run in another folder (hydra.run.dir=...)"
             )
+        if manifest.get("procs") != self.procs and say_reshard:
+            more = (f"; process r takes the random streams of process r mod {manifest['procs']}"
+                    if self.procs > manifest["procs"] else "")
+            say(f"lbt: note: the checkpoint was written by {manifest['procs']} processes and is resharded onto "
+                f"{self.procs}: the same steps up to float rounding{more}", stderr=True)
 
 
 def _move_aside(folder: Path) -> str:
@@ -277,19 +306,59 @@ def _fsync_dir(path: Path) -> None:
 
 
 def full_state(state: dict, ctx: DistContext) -> dict:
-    """A model's or optimizer's state dict as one process would save it: under tensor parallelism every
-    split tensor gathered whole (a collective: every rank calls it)."""
-    return full_tensors(state) if ctx.tensor_parallel > 1 else state
+    """A model's or optimizer's state dict as one process would save it: under tensor parallelism or
+    sharding every split tensor gathered whole (a collective: every rank calls it)."""
+    return full_tensors(state) if ctx.tensor_parallel > 1 or ctx.sharded else state
 
 
-def load_model_and_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
-                             optimizer_state: dict, ctx: DistContext) -> None:
-    """Load what `full_state` saved (split again into this rank's shards under tensor parallelism)."""
-    if ctx.tensor_parallel > 1:
-        load_full_state(model, optimizer, model_state, optimizer_state)
+def exported_model(model: torch.nn.Module, ctx: DistContext) -> dict:
+    """The trained model as one ordinary state dict of whole tensors on rank 0 (the others get {}), for
+    final_model.pt. A sharded model is gathered one tensor at a time into rank 0's memory alone, so no rank
+    ever holds the whole model beside its training state (a collective: every rank calls it)."""
+    if not ctx.sharded:
+        return full_state(model.state_dict(), ctx)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def weights_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> dict:
+    """The model and optimizer for rank 0's checkpoint file: whole tensors, or nothing when sharded (they go
+    to the checkpoint's shards, `shard_state`)."""
+    if ctx.sharded:
+        return {}
+    return {"model": full_state(model.state_dict(), ctx), "optimizer": full_state(optimizer.state_dict(), ctx)}
+
+
+def shard_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> dict | None:
+    """A sharded run's model and optimizer as torch.distributed.checkpoint saves them (parameters' names as
+    keys, each rank's shards as DTensors); None for a run that is not sharded."""
+    if not ctx.sharded:
+        return None
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def load_model_and_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, main: dict,
+                             ctx: DistContext) -> None:
+    """Load what `weights_state` or `shard_state` saved (split again into this rank's shards under tensor
+    parallelism; read from the shards, on any number of processes, when sharded)."""
+    if "shards_dir" in main:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = shard_state(model, optimizer, ctx)  # the layout to read into: this run's shards
+        if state is None:
+            raise ConfigError("the checkpoint is sharded (dist.shard=fsdp) and this run is not: resume it sharded")
+        dcp.load(state, checkpoint_id=main["shards_dir"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    elif ctx.tensor_parallel > 1 or ctx.sharded:
+        load_full_state(model, optimizer, main["model"], main["optimizer"])
     else:
-        model.load_state_dict(model_state)
-        optimizer.load_state_dict(optimizer_state)
+        model.load_state_dict(main["model"])
+        optimizer.load_state_dict(main["optimizer"])
 
 
 def own_buffers(model: torch.nn.Module) -> dict:

@@ -32,12 +32,13 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
-from lbt.cost.data_parallel import BYTES_PER_FP32, ring_bytes_sent
+from lbt.cost.data_parallel import BYTES_PER_FP32, fsdp_bytes_sent, ring_bytes_sent
 from lbt.engine.passes import BufferMean, per_worker_batchnorm, set_per_worker_batch, workers_per_pass
 from lbt.engine.precision import Precision, compile_forward
 from lbt.engine.strategies.base import StepStrategy
 from lbt.metrics.timing import StepTimer
 from lbt.nn import GhostBatchNorm
+from lbt.parallel.fsdp import replica_parameter_count
 from lbt.parallel.process_group import DistContext
 from lbt.parallel.tensor_parallel import DataParallelGradients, local_parameter_count
 from lbt.spec.batching import BatchLayout
@@ -105,9 +106,10 @@ class StepRunner:
         self.measurements = [t for t in techniques if t.worker_gradient_every]
         # Tensor parallelism: gradients averaged over the data-parallel ranks without DDP, after the passes.
         self.dp_gradients = DataParallelGradients(model, ctx.mesh["dp"].get_group(), ctx.dp_procs) \
-            if ctx.tensor_parallel > 1 else None
+            if ctx.tensor_parallel > 1 and not ctx.sharded else None
         self.ddp: DistributedDataParallel | None = None
-        if ctx.distributed and self.dp_gradients is None:
+        # Sharded (lbt/parallel/fsdp.py): FSDP's reduce-scatter averages the gradients over the data-parallel ranks.
+        if ctx.distributed and self.dp_gradients is None and not ctx.sharded:
             self.ddp = wrap_ddp(model)
             register_comm_hook(self.ddp, strategy, techniques, timer)
         # The training forward: DDP's (or the model's), compiled when asked; evaluation and measurements run eager.
@@ -116,12 +118,15 @@ class StepRunner:
             compile_forward(trained, ctx.device, techniques) if compile_model else trained
         self.buffer_mean = BufferMean(model)
         self.after_backward: list[Technique | StepStrategy] = sorted([*techniques, strategy], key=lambda t: t.order)
-        self.gradient_bytes = BYTES_PER_FP32 * local_parameter_count(model)  # a GPU's part under tensor parallelism
+        # A GPU's part under tensor parallelism (a sharded rank holds 1/D of it and moves all of it).
+        self.gradient_bytes = BYTES_PER_FP32 * (replica_parameter_count(model) if ctx.sharded
+                                                else local_parameter_count(model))
+        self.bytes_sent = fsdp_bytes_sent if ctx.sharded else ring_bytes_sent
 
     def workers_per_pass(self, layout: BatchLayout) -> int:
         """How many of this layout's simulated workers of a process share a forward/backward pass."""
-        if self.simulated_comm:  # each worker's gradient goes through what its GPU would send
-            return 1
+        if self.simulated_comm or self.ctx.sharded:  # each worker's gradient as its GPU would send it; a sharded
+            return 1                                  # model's BatchNorm cannot be made per-worker after sharding
         return workers_per_pass(self.fuse_workers, layout.workers_per_proc, layout.per_worker_batch,
                                 self.has_batchnorm, self.ctx.device.type)
 
@@ -150,7 +155,7 @@ class StepRunner:
         if layout.world_size > 1:
             allreduces = self.strategy.allreduces_at(state.step)
             state.allreduces += allreduces
-            state.bytes_sent += allreduces * ring_bytes_sent(self.gradient_bytes, layout.world_size)
+            state.bytes_sent += allreduces * self.bytes_sent(self.gradient_bytes, layout.world_size)
         return loss, correct
 
     def synchronous_step(self, inputs: torch.Tensor, labels: torch.Tensor, layout: BatchLayout,
@@ -185,7 +190,9 @@ class StepRunner:
         for i, (x, y) in enumerate(passes):
             last = i == len(passes) - 1
             # no_sync: earlier passes only accumulate gradients locally; the last backward lets DDP
-            # allreduce the sum, once per step.
+            # allreduce the sum (or FSDP reduce-scatter it), once per step.
+            if self.ctx.sharded:
+                self.model.set_requires_gradient_sync(last)  # type: ignore[operator]  # FSDP's no_sync
             with nullcontext() if last or self.ddp is None else self.ddp.no_sync():
                 with self.precision.autocast():
                     logits = self.forward(x)

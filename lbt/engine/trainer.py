@@ -28,11 +28,12 @@ from lbt.engine.build import Parts
 from lbt.engine.checkpoint import (
     Checkpointer,
     checkpointed_result,
-    full_state,
     load_buffers,
     load_model_and_optimizer,
     own_buffers,
     restored_result,
+    shard_state,
+    weights_state,
 )
 from lbt.engine.evaluate import evaluate
 from lbt.engine.precision import Precision, memory_format
@@ -305,8 +306,7 @@ class Trainer:
         if self.checkpointer is None:
             return
         # The batch layouts too: an automatic batch ramp decided them during the run.
-        main = {"model": full_state(self.model.state_dict(), self.ctx), "loop": asdict(self.state),
-                "optimizer": full_state(self.optimizer.state_dict(), self.ctx),
+        main = {**weights_state(self.model, self.optimizer, self.ctx), "loop": asdict(self.state),
                 "result": checkpointed_result(self.result), "layouts": [asdict(p) for p in self.budget.layouts],
                 "precision": self.precision.state_dict()}
         # Every rank's own: its BN statistics, RNG states and technique state (PowerSGD's error feedback).
@@ -315,17 +315,19 @@ class Trainer:
         # Logged events first: once the checkpoint is the latest, a resume from it does not log its step
         # again, so a kill between the two must not lose what the step logged (its evaluation).
         self.log.flush()
-        self.checkpointer.save(self.state.step, main, own)
+        self.checkpointer.save(self.state.step, main, own, shard_state(self.model, self.optimizer, self.ctx))
 
     def load_checkpoint(self, main: dict, own: dict) -> None:
-        load_model_and_optimizer(self.model, self.optimizer, main["model"], main["optimizer"], self.ctx)
+        load_model_and_optimizer(self.model, self.optimizer, main, self.ctx)
         load_buffers(self.model, own["buffers"])  # this rank's own BN statistics
         self.precision.load_state_dict(main.get("precision", {}))  # fp16's loss scale and skipped steps
         self.state = LoopState(**main["loop"])
-        # Batch layouts an automatic ramp decided; a run extended on resume (more epochs) keeps the last.
-        decided, laid = [BatchLayout(**layout) for layout in main["layouts"]], list(self.budget.layouts)
-        if decided and decided != laid[:len(decided)]:
-            self.set_budget(self.budget.relaid((decided + [decided[-1]] * len(laid))[:len(laid)], self.data.num_train))
+        # Batch layouts an automatic ramp decided (on this run's processes: a sharded run resumes on another
+        # number of them); a run extended on resume (more epochs) keeps the last.
+        decided = [replace(BatchLayout(**layout), procs=self.parts.layout.procs) for layout in main["layouts"]]
+        if decided and decided != list(self.budget.layouts[:len(decided)]):
+            laid = (decided + [decided[-1]] * len(self.budget.layouts))[:len(self.budget.layouts)]
+            self.set_budget(self.budget.relaid(laid, self.data.num_train))
         self.result = restored_result(main["result"])
         for technique in self.techniques:
             technique.load_state_dict(own["techniques"].get(technique.name, {}))

@@ -28,7 +28,7 @@ import torch
 from lbt.data.batches import loader_workers
 from lbt.engine.branch import start_branch, take_snapshot
 from lbt.engine.build import build_data, build_parts
-from lbt.engine.checkpoint import Checkpointer, full_state, load_snapshot
+from lbt.engine.checkpoint import Checkpointer, exported_model, load_snapshot
 from lbt.engine.outcome import finish, print_start
 from lbt.engine.precision import Precision
 from lbt.engine.stop import ask_stop, forget_stop, stop_asked
@@ -275,8 +275,9 @@ def train_process(rank: int, store_port: int | None, spec: RunSpec, run_dir: str
             run_dir = _agree_on_run_dir(run_dir)
         stack.enter_context(text_log(run_dir if rank == 0 else None))
         t = spec.layout.tensor_parallel
-        mesh = device_mesh(device, procs, t) if t > 1 else None
-        ctx = pg.DistContext(rank, procs, local_rank, spec.gpus, device, t, mesh)
+        sharded = spec.dist.shard == "fsdp" and procs // t > 1  # one data-parallel rank has nothing to shard
+        mesh = device_mesh(device, procs, t) if t > 1 or sharded else None
+        ctx = pg.DistContext(rank, procs, local_rank, spec.gpus, device, t, mesh, sharded)
         started = time.perf_counter()
         trainer = make_trainer(spec, ctx, run_dir, local_procs, extra_techniques)
         trainer.on_step = on_step
@@ -288,7 +289,8 @@ def train_process(rank: int, store_port: int | None, spec: RunSpec, run_dir: str
         if result.stopped:
             return result
         result.wall_seconds = time.perf_counter() - started
-        model_state = full_state(trainer.model.state_dict(), ctx)  # whole tensors, as one process saves them
+        trainer.optimizer.zero_grad(set_to_none=True)  # the gradients' memory, for the export
+        model_state = exported_model(trainer.model, ctx)  # whole tensors, as one process saves them
         if ctx.is_main:
             result = finish(spec, trainer.parts, result, run_dir, trainer.log, model_state)
         return result if ctx.is_main else RunResult()

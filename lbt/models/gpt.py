@@ -25,6 +25,8 @@ class GPT(nn.Module):
     tokens of a `num_classes`-token vocabulary: (N, T) ids -> (N, vocab, T) next-token logits, the layout
     CrossEntropyLoss takes with (N, T) labels."""
 
+    shard_blocks = "blocks"  # dist.shard=fsdp gathers one block at a time (lbt/parallel/fsdp.py)
+
     def __init__(self, input_shape=(256,), num_classes: int = 256, n_layer: int = 4, n_head: int = 4,
                  n_embd: int = 128, mlp_ratio: int = 4, dropout: float = 0.0):
         super().__init__()

@@ -45,6 +45,8 @@ class ResNet20(nn.Module):
     uses on CIFAR; that keeps the count at 0.27M parameters for width=16.
     """
 
+    shard_blocks = "blocks"  # dist.shard=fsdp gathers one block at a time (lbt/parallel/fsdp.py)
+
     def __init__(self, input_shape=(3, 32, 32), num_classes: int = 10, width: int = 16):
         super().__init__()
         self.conv1 = nn.Conv2d(int(input_shape[0]), width, 3, padding=1, bias=False)

@@ -71,6 +71,8 @@ class Transformer1d(nn.Module):
     with (N, T) next-token labels.
     """
 
+    shard_blocks = "blocks"  # dist.shard=fsdp gathers one block at a time (lbt/parallel/fsdp.py)
+
     def __init__(self, input_shape=(40,), num_classes: int = 10, patch: int = 4, dim: int = 64, depth: int = 2,
                  heads: int = 4, mlp_ratio: int = 2, dropout: float = 0.0, causal: bool = False):
         super().__init__()

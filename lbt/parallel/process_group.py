@@ -34,7 +34,8 @@ class DistContext:
     world_size: int  # W, the workers (GPUs) the run models
     device: torch.device
     tensor_parallel: int = 1  # T: consecutive ranks in groups of T split the model (parallel/tensor_parallel.py)
-    mesh: Any = None  # with T > 1, the ("dp", "tp") DeviceMesh
+    mesh: Any = None  # with T > 1 or sharding, the ("dp", "tp") DeviceMesh
+    sharded: bool = False  # dist.shard=fsdp over more than one data-parallel rank (lbt/parallel/fsdp.py)
 
     @property
     def is_main(self) -> bool:

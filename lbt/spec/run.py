@@ -28,6 +28,8 @@ MAX_EPOCHS = 100_000
 MAX_LOCAL_PROCS = 256
 MAX_THREADS = 1024
 MAX_LOADER_WORKERS = 256
+# dist.shard: none keeps the whole model on every data-parallel rank (DDP); fsdp shards it (lbt/parallel/fsdp.py).
+SHARDS = ("none", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ class DistSpec:
     # More processes than cores (or than the memory left holds) are refused unless this is true
     # (lbt/parallel/launcher.py: check_resources).
     allow_oversubscribe: bool = False
+    shard: str = "none"  # one of SHARDS
 
 
 @dataclass(frozen=True)
@@ -219,6 +222,11 @@ def resolve_dist(dist: DistSpec, trainer: TrainerSpec, launch: Launch) -> DistSp
     one_of("dist.fuse_workers", dist.fuse_workers, (True, False, "auto"))
     integer("dist.max_restarts", dist.max_restarts, 0, 1000)
     one_of("dist.allow_oversubscribe", dist.allow_oversubscribe, (True, False))
+    one_of("dist.shard", dist.shard, SHARDS)
+    if dist.shard == "fsdp" and dist.fuse_workers is True:
+        raise ConfigError("dist.fuse_workers=true with dist.shard=fsdp: a sharded model runs its simulated workers "
+                          "one pass each (BatchNorm per worker would need the model changed after sharding); "
+                          "use dist.fuse_workers=auto")
     for key in ("world_size", "procs"):  # null means "as many as there are"; 0 is a mistake, not "unset"
         if getattr(dist, key) is not None:
             integer(f"dist.{key}", getattr(dist, key))
@@ -303,6 +311,8 @@ def run_identity(config: Mapping[str, Any], per_worker_batch: int, global_batch:
     world size 2 are the same run.
     """
     flat = {key: value for key, value in _flatten(config).items() if not _may_change(key)}
+    if flat.get("dist.shard") == "none":  # the default, and what runs before dist.shard existed were
+        del flat["dist.shard"]
     flat["trainer.per_worker_batch"], flat["trainer.global_batch"] = per_worker_batch, global_batch
     return flat
 

@@ -18,6 +18,7 @@ from lbt.apps.plan.compute import (
     critical_batch_from_study,
     gpu_compute,
     model_and_data,
+    model_memory,
     model_split,
     profile_compute,
     read_run,
@@ -28,13 +29,15 @@ from lbt.apps.plan.output import (
     describe_split,
     format_split_table,
     format_table,
+    memory_lines,
     plot,
     plot_splits,
     summarize,
     summarize_splits,
 )
 from lbt.cost.data_parallel import NETWORKS, Compute, Network, gradient_bytes, scaling_rows, worker_counts
-from lbt.cost.gpu import DEFAULT_UTILIZATION, GPUS, LAUNCH_BOUND_S, PRECISIONS
+from lbt.cost.gpu import DEFAULT_UTILIZATION, GPUS, LAUNCH_BOUND_S, MEMORY_GB, PRECISIONS
+from lbt.cost.memory import OPTIMIZER_SLOTS
 from lbt.cost.tensor_parallel import split_rows, tensor_parallel_options
 from lbt.data.base import DataShape
 from lbt.engine.build import data_shape
@@ -52,6 +55,7 @@ EPILOG = """examples:
   lbt plan --model mypackage.MyNet --data custom --dataset mypackage.my_data --input-shape 40 --num-classes 2
   lbt plan --model cnn1d --bandwidth-gbps 40 --latency-us 5 --compression fp16 --overlap 0.5
   lbt plan --model mlp --tensor-parallel auto --network nvlink --critical-batch 1024
+  lbt plan --model transformer1d --gpu h100 --shard fsdp --optimizer adamw   (sharded: FSDP traffic, memory)
 
 a worker's compute: profiled here (this machine's GPU when it has one, else its CPU, with a warning),
 --step-ms measured elsewhere, a run's own samples/s (--from-result), or --gpu NAME: the model's FLOPs
@@ -66,7 +70,13 @@ step = compute x (1 - s + s/T) + the split layers' activation allreduces among t
 (forward and backward, Megatron-style Linear pairs) + the gradient allreduce over DP of the
 parameters each rank holds; s = the split layers' share of the FLOPs. It marks the recommended
 split of each W: the fastest epoch whose global batch stays <= the critical batch (the fastest
-overall without one) and <= N. A T that does not divide a split layer's width is left out, with a note."""
+overall without one) and <= N. A T that does not divide a split layer's width is left out, with a note.
+
+memory (lbt/cost/memory.py): parameters, gradients and --optimizer's state in fp32 per GPU, replicated (DDP)
+and sharded over W GPUs (--shard fsdp, dist.shard=fsdp: 1/W of it plus the largest block, gathered whole);
+activations are not counted. With --gpu (or --gpu-memory-gb) the plan names the fewest GPUs on which the
+model trains, beside the most that keep accuracy (the critical batch). --shard fsdp puts a sharded step's
+traffic in the table: two all-gathers and a reduce-scatter, 1.5x the allreduce."""
 
 
 class UsageError(ValueError):
@@ -86,6 +96,7 @@ def _parser() -> argparse.ArgumentParser:
     _compute_options(parser)
     _gpu_options(parser)
     _network_options(parser)
+    _memory_options(parser)
     parser.add_argument("--max-workers", type=int, default=1024)
     parser.add_argument("--train-samples", "-N", type=int,
                         help="N, training samples per epoch (default: the run's or the data's training set)")
@@ -168,6 +179,18 @@ def _network_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel", metavar="auto|T",
                         help="compare data parallelism alone with DP x T splits of each W (dist.tensor_parallel): "
                              "auto tries T = 2, 4, 8; a power of 2 T tries that one (see below)")
+
+
+def _memory_options(parser: argparse.ArgumentParser) -> None:
+    """Memory per GPU: replicated or sharded, the optimizer's state, the GPU's memory."""
+    parser.add_argument("--shard", choices=["none", "fsdp"], default="none",
+                        help="none: every GPU holds the whole model (DDP); fsdp: sharded (dist.shard=fsdp), whose "
+                             "traffic the table then shows (default none; memory lines show both)")
+    parser.add_argument("--optimizer", choices=list(OPTIMIZER_SLOTS), default="adamw",
+                        help="whose state the memory per GPU counts (sgd and lars: 1 tensor per parameter; adamw, "
+                             "adam and lamb: 2; default adamw)")
+    parser.add_argument("--gpu-memory-gb", type=float, metavar="GB",
+                        help="memory per GPU, for the fewest GPUs the model trains on (default: --gpu's datasheet)")
 
 
 def dims(text: str) -> list[int]:
@@ -257,8 +280,12 @@ def plan_main(argv: list[str]) -> int:
     if options.tensor_parallel is not None:
         return plan_splits(inputs, options, title)
     rows = scaling_rows(inputs.compute, inputs.network, worker_counts(options.max_workers), inputs.train_samples,
-                        options.compression, options.overlap, inputs.critical_batch, options.delay)
-    return show(format_table(rows), summarize(rows, inputs.critical_batch, inputs.critical_name),
+                        options.compression, options.overlap, inputs.critical_batch, options.delay, options.shard)
+    memory = model_memory(inputs.model, inputs.shape, options.optimizer)
+    gpu_gb = options.gpu_memory_gb or (MEMORY_GB[options.gpu] if options.gpu else None)
+    return show(format_table(rows, options.shard),
+                summarize(rows, inputs.critical_batch, inputs.critical_name)
+                + memory_lines(memory, options.optimizer, [r.workers for r in rows], gpu_gb),
                 plot(rows, plot_path(options), title, inputs.critical_batch))
 
 
@@ -319,6 +346,13 @@ def check_options(options: argparse.Namespace) -> None:
     if options.tensor_parallel is not None and (options.compression != "none" or options.delay):
         raise ValueError("--tensor-parallel: lbt's tensor-parallel runs average gradients without DDP's hooks, "
                          "so --compression and --delay do not apply to them; drop those")
+    if options.shard == "fsdp" and (options.tensor_parallel is not None or options.compression != "none"
+                                    or options.delay):
+        raise ValueError("--shard fsdp plans sharded data parallelism: lbt runs it without DDP's hooks "
+                         "(--compression, --delay), and the split table (--tensor-parallel) is for replicated "
+                         "workers; drop those")
+    if options.gpu_memory_gb is not None and not options.gpu_memory_gb > 0:
+        raise ValueError(f"--gpu-memory-gb must be > 0, got {options.gpu_memory_gb}")
     if options.input_shape is not None:
         options.input_shape = [d for arg in options.input_shape for d in arg]  # 3 32 32 and [3,32,32] alike
 

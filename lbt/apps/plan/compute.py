@@ -20,10 +20,12 @@ import torch
 from lbt.apps.compose import compose, conf_dir
 from lbt.cost.data_parallel import DEFAULT_BACKWARD_SHARE, Compute
 from lbt.cost.gpu import Gpu, gpu_seconds
+from lbt.cost.memory import OPTIMIZER_SLOTS, ModelMemory
 from lbt.cost.tensor_parallel import DenseSplit, dense_split
 from lbt.data.base import DataShape
 from lbt.engine.build import build_data, build_model, data_shape
 from lbt.errors import ConfigError
+from lbt.parallel.fsdp import shard_units
 from lbt.spec.result import ResultError, RunResult, read_result
 from lbt.spec.targets import Target, locate, target_of
 
@@ -60,6 +62,17 @@ def model_and_data(model: str, data: str, overrides: list[str] | tuple = ()) -> 
 def count_parameters(model: Target, shape: DataShape) -> int:
     with torch.random.fork_rng(devices=[]):
         return sum(p.numel() for p in build_model(model, shape.input_shape, shape.num_classes).parameters())
+
+
+def model_memory(model: Target, shape: DataShape, optimizer: str) -> ModelMemory:
+    """The model's parameters, its largest block under dist.shard=fsdp (the whole model when it cannot be
+    sharded by blocks) and `optimizer`'s state tensors per parameter (lbt/cost/memory.py)."""
+    with torch.random.fork_rng(devices=[]):
+        net = build_model(model, shape.input_shape, shape.num_classes)
+    params = sum(p.numel() for p in net.parameters())
+    blocks = [sum(p.numel() for p in block.parameters()) for _, block in shard_units(net)]
+    largest = max(blocks) if len(blocks) > 1 else params
+    return ModelMemory(params, largest, OPTIMIZER_SLOTS[optimizer])
 
 
 def compute_from_step_ms(step_ms: float, model: Target, shape: DataShape, per_worker_batch: int, name: str) -> Compute:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from lbt.apps.plotting import figure, save_figure
 from lbt.cost.data_parallel import ScalingRow
+from lbt.cost.memory import ModelMemory, fewest_gpus
 from lbt.cost.tensor_parallel import DenseSplit, SplitRow
 from lbt.parallel.tensor_parallel import Split, why_not
 
@@ -38,10 +39,10 @@ def aligned(lines: list[list[str] | None]) -> str:
     return "\n".join(out)
 
 
-def format_table(rows: list[ScalingRow]) -> str:
+def format_table(rows: list[ScalingRow], shard: str = "none") -> str:
     delayed = bool(rows) and rows[0].synchronous_step_s is not None
-    header = ["W", "global batch", "slowest compute ms", "allreduce ms", "step ms", "epoch", "speedup", "efficiency",
-              "note"]
+    comm = "gather+scatter ms" if shard == "fsdp" else "allreduce ms"
+    header = ["W", "global batch", "slowest compute ms", comm, "step ms", "epoch", "speedup", "efficiency", "note"]
     if delayed:
         header[4:5] = ["sync step ms", "delayed step ms"]
     lines: list[list[str] | None] = [header]
@@ -89,6 +90,37 @@ def summarize(rows: list[ScalingRow], critical_batch: float | None, critical_why
                      "per epoch); those rows are never chosen")
     if critical_batch is not None:
         lines.append(critical_line(rows, b, critical_batch, critical_why))
+    return lines
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 1e9:,.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:,.1f} MB"
+
+
+def memory_lines(memory: ModelMemory, optimizer: str, counts: list[int], gpu_gb: float | None) -> list[str]:
+    """Memory per GPU replicated and sharded (lbt/cost/memory.py), and the fewest GPUs the model trains on."""
+    shown = [w for w in counts if w in (2, 4, 8)] + [w for w in counts[-1:] if w > 8]
+    sharded = ", ".join(f"{_size(memory.per_rank(w))} at W={w}" for w in shown)
+    slots = memory.optimizer_slots
+    lines = [f"memory per GPU (fp32 parameters, gradients and {optimizer}'s {slots} state tensor"
+             f"{'s' if slots != 1 else ''} per parameter; activations not counted): one GPU "
+             f"{_size(memory.per_rank(1))}; replicated (DDP, its buckets too) {_size(memory.replicated(2))} at any W; "
+             f"sharded (dist.shard=fsdp; largest block {memory.largest_block:,} parameters) {sharded}"]
+    if gpu_gb is None:
+        return lines
+    fewest = fewest_gpus(memory, gpu_gb * 1e9, counts)
+    if fewest is None:
+        lines.append(f"trains on: no W up to {counts[-1]:,} holds it in {gpu_gb:g} GB per GPU, even sharded")
+    elif fewest[1] == "none" and memory.replicated(2) <= gpu_gb * 1e9:
+        lines.append(f"trains on: 1 GPU and up ({_size(memory.replicated(2))} of {gpu_gb:g} GB: the memory does not "
+                     "limit W)")
+    elif fewest[1] == "none":
+        lines.append(f"trains on: 1 GPU ({_size(memory.per_rank(1))} of {gpu_gb:g} GB); on more, replicated needs "
+                     f"{_size(memory.replicated(2))} per GPU: shard them (dist.shard=fsdp)")
+    else:
+        lines.append(f"trains on: at least {fewest[0]:,} GPUs, sharded (dist.shard=fsdp: "
+                     f"{_size(memory.per_rank(fewest[0]))} of {gpu_gb:g} GB each); replicated it needs "
+                     f"{_size(memory.replicated(2))} per GPU")
     return lines
 
 
