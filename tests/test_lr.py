@@ -147,7 +147,7 @@ def test_step_milestones_and_ramp_divisions_become_drops():
 
 @pytest.mark.parametrize("change, message", [
     ({"scaling": "lnear"}, "schedule.scaling must be one of none, linear, sqrt, adam_sqrt, got 'lnear'"),
-    ({"decay": "linear"}, "schedule.decay must be one of constant, cosine, poly, step"),
+    ({"decay": "lnear"}, "schedule.decay must be one of constant, cosine, poly, step, linear, 1-sqrt"),
     ({"warmup_mode": "cosine"}, "schedule.warmup_mode must be one of linear, constant"),
     ({"base_batch": 0}, "schedule.base_batch must be a positive integer"),
     ({"warmup_epochs": -1}, "schedule.warmup_epochs must be a non-negative number"),

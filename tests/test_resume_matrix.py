@@ -35,6 +35,12 @@ STOP_AT = 16  # SIGTERM during step 17 (epoch 2); the loop stops at the next log
 TECHNIQUES = {
     "lars": (["optim=lars"], STOP_AT),
     "lamb": (["optim=lamb"], STOP_AT),
+    # Muon, schedule-free AdamW and WSD resume as recipe=muon, schedulefree and wsd_adamw (the recipes below);
+    # SOAP's preconditioner (eigenbases, refreshed every 10 steps: at step 10 and after the resume at 20)
+    # under WSD's cooldown (the last 20%: steps 29-36); schedule-free SGD's average and iterate, checkpointed
+    # in train mode, evaluated in eval mode (lbt/engine/evaluate.py).
+    "soap_wsd": (["optim=soap", "schedule=wsd"], STOP_AT),
+    "schedulefree_sgd": (["optim=schedulefree_sgd", "schedule=constant"], STOP_AT),
     # Milestones inside the run: epochs of 12, 6 and 3 steps at batch 64, 128, 256;
     # stopped at step 16, in the ramped second epoch.
     "batch_ramp": (["technique=[batch_ramp]", "technique.batch_ramp.milestones=[1,2]"], 14),

@@ -35,7 +35,7 @@ from lbt.engine.checkpoint import (
     shard_state,
     weights_state,
 )
-from lbt.engine.evaluate import evaluate
+from lbt.engine.evaluate import AveragedWeights, evaluate
 from lbt.engine.precision import Precision, memory_format
 from lbt.engine.step import LoopState, StepRunner
 from lbt.engine.stop import stop_asked
@@ -101,6 +101,7 @@ class Trainer:
                                  self.precision, settings.fuse_workers, settings.compile, self.timer)
         self.runner.prepare(self.budget.layouts, self.budget.layouts[0])
         self.memory_format = memory_format(settings.channels_last)
+        self.averaged = AveragedWeights(parts, ctx, self.precision, self.memory_format)  # schedule-free's x
         self.step_batches: dict[BatchLayout, StepBatches] = {}  # one per batch layout: its DataLoader lives on
         self.lr_follows_batch = any(t.lr_follows_batch for t in parts.techniques)
         # Log every log_every steps, at each epoch's end, and at the step that takes the peak LR.
@@ -261,6 +262,7 @@ class Trainer:
         """The test split once, at the end (already done when it is the split evaluated); the run's totals."""
         result, s = self.result, self.state
         self.strategy.on_train_end(self.model)
+        self.averaged.keep()  # the test split and the saved model score schedule-free's averaged weights
         if self.eval_split == "test":
             result.test_loss, result.test_acc = result.final_loss, result.final_acc
         elif self.data.test is not None and not result.diverged:
@@ -291,11 +293,9 @@ class Trainer:
     def evaluate(self, dataset: Any) -> tuple[float, float]:
         """Loss and top-1 accuracy over a whole dataset (the model the strategy has evaluations score)."""
         average_buffers(self.model, self.ctx)  # BN running statistics: the mean over every worker
-        with self.strategy.evaluated(self.model):
-            scores = evaluate(self.model, dataset, self.ctx, self.precision, self.settings.eval_batch,
-                              self.settings.loader_workers, self.memory_format)
-        self.model.train()
-        return scores
+        with self.strategy.evaluated(self.model), self.averaged():  # then the model back in train mode
+            return evaluate(self.model, dataset, self.ctx, self.precision, self.settings.eval_batch,
+                            self.settings.loader_workers, self.memory_format)
 
     # -- output ---------------------------------------------------------------
     def say(self, line: str) -> None:

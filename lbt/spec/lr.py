@@ -20,7 +20,8 @@ from lbt.spec.validate import integer, number, one_of
 SCALING_RULES = ("none", "linear", "sqrt", "adam_sqrt")
 WEIGHT_DECAY_SCALINGS = ("none", "timescale")
 WARMUP_MODES = ("linear", "constant")
-DECAYS = ("constant", "cosine", "poly", "step")
+# linear and 1-sqrt: the decay of a warmup-stable-decay schedule (schedule=wsd), over the last decay_fraction
+DECAYS = ("constant", "cosine", "poly", "step", "linear", "1-sqrt")
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class ScheduleSpec:
     warmup_start: float | None = None
     warmup_mode: str = "linear"
     decay: str = "cosine"
+    decay_fraction: float = 1.0
     final_factor: float = 0.0
     power: float = 2.0
     milestones: tuple[float, ...] = ()
@@ -53,6 +55,7 @@ class ScheduleSpec:
                 raise ConfigError("schedule: give warmup_epochs or warmup_samples, not both")
         if self.warmup_start is not None:
             number("schedule.warmup_start", self.warmup_start, low=0, high=1, low_open=True)
+        number("schedule.decay_fraction", self.decay_fraction, low=0, high=1, low_open=True)
         number("schedule.final_factor", self.final_factor, low=0, high=1)
         number("schedule.power", self.power, low=0, low_open=True)
         number("schedule.gamma", self.gamma, low=0, high=1, low_open=True)
@@ -109,7 +112,7 @@ class Schedule:
     warmup_samples: int  # warmup ends, and decay starts, on this step boundary
     warmup_start: float | None  # start LR as a fraction of the peak; None: the unscaled base LR
     warmup_mode: str  # linear | constant
-    decay: str  # constant | cosine | poly | step
+    decay: str  # constant | cosine | poly | step | linear | 1-sqrt
     total_samples: int
     final_factor: float = 0.0
     power: float = 2.0
@@ -125,6 +128,9 @@ class Schedule:
     rewarm_from: int = 0
     rewarm_samples: int = 0
     rewarm_start: float = 1.0
+    # The decay runs over the last decay_fraction of the run (not before warmup ends); the LR holds its peak
+    # until then. 1: all of the run after warmup. Warmup-stable-decay (schedule=wsd) takes e.g. 0.2.
+    decay_fraction: float = 1.0
 
 
 def lr_at(samples_seen: float, s: Schedule, global_batch: int | None = None) -> float:
@@ -135,7 +141,9 @@ def lr_at(samples_seen: float, s: Schedule, global_batch: int | None = None) -> 
 
         peak    = base_lr x scaling(global_batch / base_batch)
         warmup  : from the start LR to the peak over [0, warmup_samples)       (Goyal 2017, sec. 2.2)
-        decay   : from the peak at warmup_samples to final_factor x peak at total_samples
+        stable  : the peak, until the decay starts (with decay_fraction < 1: warmup-stable-decay)
+        decay   : from the peak at max(warmup_samples, (1 - decay_fraction) x total_samples) to
+                  final_factor x peak at total_samples
         drops   : x multiplier from each (samples, multiplier) reached         (step decay, Smith 2017 ramp)
     """
     peak = s.base_lr * scaling_factor(global_batch or s.global_batch, s.base_batch, s.scaling)
@@ -146,12 +154,18 @@ def lr_at(samples_seen: float, s: Schedule, global_batch: int | None = None) -> 
         else:
             lr = start + (peak - start) * samples_seen / s.warmup_samples
     else:
-        decay_span = s.total_samples - s.warmup_samples
-        t = min(1.0, (samples_seen - s.warmup_samples) / decay_span) if decay_span > 0 else 1.0
+        decay_from = s.warmup_samples if s.decay_fraction >= 1 else \
+            max(s.warmup_samples, s.total_samples * (1.0 - s.decay_fraction))
+        decay_span = s.total_samples - decay_from
+        t = min(1.0, max(0.0, samples_seen - decay_from) / decay_span) if decay_span > 0 else 1.0
         if s.decay == "cosine":  # Loshchilov & Hutter 2017 (SGDR), without restarts
             shape = 0.5 * (1.0 + math.cos(math.pi * t))
         elif s.decay == "poly":  # (1 - t)^power, the LARS papers' decay (You et al. 2017: power 2)
             shape = (1.0 - t) ** s.power
+        elif s.decay == "linear":  # a linear cooldown (Haegele et al. 2024, arXiv:2405.18392)
+            shape = 1.0 - t
+        elif s.decay == "1-sqrt":  # the cooldown Haegele et al. 2024 found better than linear
+            shape = 1.0 - math.sqrt(t)
         else:  # constant, and step (whose milestones are drops)
             shape = 1.0
         lr = peak * (s.final_factor + (1.0 - s.final_factor) * shape)
@@ -221,7 +235,8 @@ def build_schedule(spec: ScheduleSpec, base_lr: float, global_batch: int, budget
     adam = spec.scaling == "adam_sqrt"
     return Schedule(base_lr, global_batch, spec.base_batch, spec.scaling, warmup_samples, spec.warmup_start,
                     spec.warmup_mode, spec.decay, budget.total_samples, spec.final_factor, spec.power,
-                    tuple(sorted(drops)), betas if adam else None, eps if adam else None, spec.weight_decay_scaling)
+                    tuple(sorted(drops)), betas if adam else None, eps if adam else None, spec.weight_decay_scaling,
+                    decay_fraction=spec.decay_fraction)
 
 
 def _drops(spec: ScheduleSpec, budget: Budget) -> list[tuple[int, float]]:
@@ -259,6 +274,8 @@ def describe(s: Schedule, budget: Budget) -> str:
         start = min(s.base_lr, top) if s.warmup_start is None else s.warmup_start * top
         parts.append(f"{s.warmup_mode} warmup from {start:g}")
     decay = s.decay if s.decay in ("constant", "step") else f"{s.decay} decay to {s.final_factor:g} x peak"
+    if s.decay_fraction < 1 and s.decay not in ("constant", "step"):
+        decay += f" over the last {s.decay_fraction:.0%} of the run"
     drops = len(s.drops)
     parts.append(decay + (f", {drops} LR drop{'s' if drops > 1 else ''}" if drops else ""))
     line = f"lr: peak {top:g} at sample {at:,} (step {budget.step_boundary(at)[0]}) = {'; '.join(parts)}"
