@@ -126,6 +126,9 @@ def test_tune_minimises_a_loss():
     class Cell:
         name, space = "recipe=baseline", {}
 
+        def study_name(self, search):
+            return self.name
+
     grid = TuneGrid(settings, head=[], fixed=[])
     storage = optuna.storages.InMemoryStorage()
     study = open_study(storage, grid, Cell())
@@ -133,7 +136,7 @@ def test_tune_minimises_a_loss():
         study.tell(study.ask(), value)
     assert study.best_value == 2.1
     grid.settings = Settings.from_config(node)  # tune.metric=acc (the default) over the same trials: refused
-    with pytest.raises(ConfigError, match="minimized their value, and tune.metric=acc maximizes"):
+    with pytest.raises(ConfigError, match="minimized their value, and tune.metric=acc tune.objective=final maximizes"):
         open_study(storage, grid, Cell())
 
     cells = [{"cell": f"b{b}", "series": "baseline", "global_batch": b,

@@ -34,7 +34,7 @@ def tune(args: list[str]) -> dict | None:
     started, new_runs = time.perf_counter(), {"trials": 0, "finals": 0}
     # Every cell's study is opened (and checked against this command) before any trial runs.
     with claim_lock(folder):
-        studies = [open_study(storage.optuna, grid, cell) for cell in grid.cells]
+        studies = [[open_study(storage.optuna, grid, cell, k) for k in range(s.studies)] for cell in grid.cells]
     try:
         with helpers(args, 1 if helper else s.workers):
             work(grid, storage, studies, new_runs)
@@ -55,10 +55,13 @@ def tune(args: list[str]) -> dict | None:
 def say_plan(grid: TuneGrid, storage: TuneStorage) -> None:
     s = grid.settings
     workers = f"; {s.workers} workers" if s.workers > 1 else ""
-    print(f"tune: {count(len(grid.cells), 'cell')} x {count(s.trials, 'trial')} (TPE, seed {s.seed}; pruner "
-          f"{s.pruner}), then the best{' and the defaults' if s.untuned else ''} x {count(s.seeds, 'seed')}; "
-          f"folder {s.dir}; trials in {storage.shown}{workers}", flush=True)
+    searches = f" x {count(s.studies, 'independent study', 'independent studies')}" if s.studies > 1 else ""
+    sampler = "TPE" if s.sampler == "tpe" else "quasi-random (Halton)"
+    objective = f"; objective: steps to val {s.metric.name} {s.target:g}" if s.objective == "steps_to_target" else ""
+    print(f"tune: {count(len(grid.cells), 'cell')} x {count(s.trials, 'trial')}{searches} ({sampler}, seed {s.seed}; "
+          f"pruner {s.pruner}{objective}), then the best{' and the defaults' if s.untuned else ''} x "
+          f"{count(s.seeds, 'seed')}; folder {s.dir}; trials in {storage.shown}{workers}", flush=True)
 
 
-def count(n: int, noun: str) -> str:
-    return f"{n} {noun}{'s' if n != 1 else ''}"
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"

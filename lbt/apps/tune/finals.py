@@ -22,14 +22,16 @@ from lbt.apps.tune.trials import (
 )
 from lbt.metrics.spread import mean_std
 from lbt.paths import atomic_write
+from lbt.spec.objective import Metric
 from lbt.spec.result import RunResult, read_result
 
 KEY = "finals_key"  # in cells/<cell>.json: the finals_key its runs were trained for
 
 
-def finish_cell(grid: TuneGrid, cell: Cell, study: optuna.Study, new_runs: dict) -> dict:
-    """The cell's trials in numbers, then its best values and its defaults over tune.seeds fresh seeds."""
-    trials = study.get_trials(deepcopy=False)
+def finish_cell(grid: TuneGrid, cell: Cell, searches: list[optuna.Study], new_runs: dict) -> dict:
+    """The cell's trials in numbers, each independent search's best and fastest trial, then the best values of
+    the median search and the recipe's defaults over tune.seeds fresh seeds."""
+    trials = [t for study in searches for t in study.get_trials(deepcopy=False)]
     counted = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
     complete = [t for t in counted if t.state == TrialState.COMPLETE]
     metric = grid.settings.metric
@@ -42,25 +44,29 @@ def finish_cell(grid: TuneGrid, cell: Cell, study: optuna.Study, new_runs: dict)
                    "pruned": sum(t.state == TrialState.PRUNED for t in counted),
                    "diverged": sum(bool(t.user_attrs.get("diverged")) for t in complete),
                    "failed": sum(t.state == TrialState.FAIL for t in trials)},
+        "studies": [search_summary(study, k, metric) for k, study in enumerate(searches)],
         "best": None,
     }
     first_seed = int(cell.config["trainer"]["seed"])
     seeds = [first_seed + k for k in range(1, grid.settings.seeds + 1)]
-    if complete:
-        best = max(complete, key=lambda t: (metric.score(t.value), -t.number))
-        summary["best"] = {"trial": best.number, f"val_{metric.name}": best.value, "params": dict(best.params),
-                           "diverged": bool(best.user_attrs.get("diverged")),
+    median = median_search(summary["studies"], metric)
+    if median is not None:
+        best = next(t for t in searches[median["study"] - 1].get_trials(deepcopy=False) if t.number == median["trial"])
+        value = final_val(best, metric)
+        summary["best"] = {"trial": best.number, "study": median["study"], f"val_{metric.name}": value,
+                           "params": dict(best.params), "diverged": bool(best.user_attrs.get("diverged")),
                            "base_lr": best.user_attrs.get("base_lr"), "peak_lr": best.user_attrs.get("peak_lr")}
-        t = summary["trials"]
-        print(f"[{cell.name}] best of {len(counted)} trials ({t['pruned']} pruned, {t['diverged']} diverged): "
-              f"trial {best.number} val_{metric.name}={best.value:.4f} {shown_values(best.params)}", flush=True)
+        t, which = summary["trials"], f" (the median of {len(searches)} studies: study {median['study']})" \
+            if len(searches) > 1 else ""
+        print(f"[{cell.name}] best of {len(counted)} trials ({t['pruned']} pruned, {t['diverged']} diverged){which}: "
+              f"trial {best.number} val_{metric.name}={value:.4f} {shown_values(best.params)}", flush=True)
         summary["tuned"] = final_runs(grid, cell, "tuned", dict(best.params), seeds, new_runs)
     else:
         print(f"[{cell.name}] no trial finished (all {len(counted)} pruned): no tuned runs", flush=True)
     summary["default"] = final_runs(grid, cell, "default", {}, seeds if grid.settings.untuned else [], new_runs)
     summary["overrides"] = identity_overrides(grid)
     (grid.settings.dir / "cells").mkdir(exist_ok=True)
-    written = {**summary, KEY: finals_key(grid, study)}
+    written = {**summary, KEY: finals_key(grid, searches)}
     atomic_write(cell_path(grid, cell), lambda f: f.write(json.dumps(written, indent=2).encode()))
     return summary
 
@@ -69,10 +75,10 @@ def cell_path(grid: TuneGrid, cell: Cell) -> Path:
     return grid.settings.dir / "cells" / f"{cell.folder}.json"
 
 
-def finals_key(grid: TuneGrid, study: optuna.Study) -> str:
+def finals_key(grid: TuneGrid, searches: list[optuna.Study]) -> str:
     """What a cell's final runs and its part of the report follow from: its trials and the finals' settings."""
     s = grid.settings
-    trials = [[t.number, t.state.name, t.value] for t in study.get_trials(deepcopy=False)]
+    trials = [[t.number, t.state.name, t.value] for study in searches for t in study.get_trials(deepcopy=False)]
     return json.dumps({"trials": trials, "seeds": s.seeds, "untuned": s.untuned, "metric": s.metric.name,
                        "overrides": identity_overrides(grid)})
 
@@ -83,10 +89,10 @@ def read_cell(path: Path) -> tuple[dict, str | None]:
     return cell, cell.pop(KEY, None)
 
 
-def finished(grid: TuneGrid, cell: Cell, study: optuna.Study) -> bool:
+def finished(grid: TuneGrid, cell: Cell, searches: list[optuna.Study]) -> bool:
     """Whether the cell's final runs and summary are done for the trials it has now."""
     try:
-        return read_cell(cell_path(grid, cell))[1] == finals_key(grid, study)
+        return read_cell(cell_path(grid, cell))[1] == finals_key(grid, searches)
     except (OSError, ValueError):
         return False
 
@@ -104,6 +110,37 @@ def earlier_cells(grid: TuneGrid, cells: list[dict]) -> list[dict]:
         if cell.get("cell") not in names and same:
             found.append(cell)
     return found
+
+
+def final_val(trial: optuna.trial.FrozenTrial, metric: Metric) -> float:
+    """A finished trial's final val value (the metric's worst if it diverged), whatever its objective."""
+    if "final_val" in trial.user_attrs:  # recorded by trials.record
+        value = trial.user_attrs["final_val"]
+        return metric.worst if value is None else float(value)
+    return float(trial.value)  # a trial of a tune from before tune.objective: its value is the final val value
+
+
+def search_summary(study: optuna.Study, search: int, metric: Metric) -> dict[str, Any]:
+    """One independent search of a cell: its best trial on final val, and its fastest to tune.target (AlgoPerf
+    takes the fastest trial of each study; None: no trial reached it) with every trial's val curve, from which
+    the report reads steps to a target decided later."""
+    complete = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
+    best = max(complete, key=lambda t: (metric.score(final_val(t, metric)), -t.number), default=None)
+    reached = [t for t in complete if t.user_attrs.get("steps_to_target") is not None]
+    fastest = min(reached, key=lambda t: (t.user_attrs["steps_to_target"], t.number), default=None)
+    return {"study": search + 1, "trial": best.number if best else None,
+            f"val_{metric.name}": final_val(best, metric) if best else None,
+            "fastest_trial": fastest.number if fastest else None,
+            "steps_to_target": fastest.user_attrs["steps_to_target"] if fastest else None,
+            "curves": {str(t.number): t.user_attrs.get("curve") for t in complete if t.user_attrs.get("curve")}}
+
+
+def median_search(searches: list[dict], metric: Metric) -> dict | None:
+    """The search whose best final val value is the median of the searches' (the lower middle one of an even
+    count): its best trial is the cell's tuned values, as AlgoPerf reports the median over studies."""
+    ranked = sorted((s for s in searches if s["trial"] is not None),
+                    key=lambda s: (metric.score(s[f"val_{metric.name}"]), -s["study"]))
+    return ranked[(len(ranked) - 1) // 2] if ranked else None
 
 
 def final_runs(grid: TuneGrid, cell: Cell, kind: str, params: dict, seeds: list[int], new_runs: dict) -> dict:

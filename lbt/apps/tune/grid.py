@@ -16,6 +16,11 @@ from lbt.spec.objective import Metric, metric_named
 from lbt.spec.validate import integer, number, one_of
 
 PRUNERS = ("median", "halving", "hyperband", "none")
+# tpe: Optuna's multivariate TPE (adaptive); qmc: a scrambled Halton sequence, the quasi-random search of
+# AlgoPerf's external tuning (Kasimbeg et al. 2024), which draws the same points whatever the trials score.
+SAMPLERS = ("tpe", "qmc")
+# What a trial's Optuna value is: its final val value (tune.metric), or the steps it took to reach tune.target.
+OBJECTIVES = ("final", "steps_to_target")
 # Cell keys that place a cell on the batch axis; the others (recipe, ...) name its curve.
 BATCH_KEYS = ("dist.world_size", "trainer.global_batch", "trainer.per_worker_batch")
 RANGE_KEYS = {"low", "high", "log", "step", "int"}
@@ -40,6 +45,10 @@ class Settings:
     storage: str | None = None  # sqlite | journal | journal:PATH | a database URL (None: $LBT_TUNE_STORAGE or sqlite)
     workers: int = 1  # processes this command runs trials in (each a worker of tune/storage.py)
     heartbeat: int = 10  # seconds between a running trial's heartbeats (a worker gone 3 heartbeats: retried)
+    studies: int = 1  # independent searches of each cell (their own sampler seeds): AlgoPerf's studies
+    sampler: str = "tpe"  # tpe | qmc
+    objective: str = "final"  # final | steps_to_target
+    target: float | None = None  # the val value (tune.metric) whose steps to reach every trial records
 
     @classmethod
     def from_config(cls, node: dict) -> Settings:
@@ -57,7 +66,25 @@ class Settings:
             storage=None if node.get("storage") is None else str(node["storage"]),
             workers=integer("tune.workers", node.get("workers", 1), 1, 256),
             heartbeat=integer("tune.heartbeat", node.get("heartbeat", 10), 1),
-        )
+            studies=integer("tune.studies", node.get("studies", 1), 1, 100),
+            sampler=str(one_of("tune.sampler", node.get("sampler", "tpe"), SAMPLERS)),
+            objective=str(one_of("tune.objective", node.get("objective", "final"), OBJECTIVES)),
+            target=None if node.get("target") is None else number("tune.target", node["target"]),
+        ).checked()
+
+    def checked(self) -> Settings:
+        """One line for settings that contradict each other."""
+        if self.objective == "steps_to_target":
+            if self.target is None:
+                raise ConfigError("tune.objective=steps_to_target needs tune.target, the val "
+                                  f"{self.metric.label} to reach (e.g. tune.target=0.8)")
+            if self.pruner != "none":
+                raise ConfigError(f"tune.objective=steps_to_target with tune.pruner={self.pruner}: the pruner "
+                                  f"compares val {self.metric.label}, which a steps objective does not rank; set "
+                                  "tune.pruner=none")
+        if self.metric.start is not None and self.target is not None and not 0 < self.target <= 1:
+            raise ConfigError(f"tune.target={self.target:g} is a val {self.metric.label} and lies in (0, 1]")
+        return self
 
 
 @dataclass(frozen=True)
@@ -79,6 +106,13 @@ class Cell:
     @property
     def folder(self) -> str:
         return self.name.replace(" ", ",").replace("/", "_")
+
+    def study_name(self, study: int) -> str:
+        """The Optuna study of the cell's `study`-th independent search (0: the cell's name, as one search)."""
+        return self.name if study == 0 else f"{self.name} study={study + 1}"
+
+    def trials_folder(self, study: int) -> str:
+        return self.folder if study == 0 else f"{self.folder}/study_{study + 1}"
 
     @property
     def series(self) -> str:

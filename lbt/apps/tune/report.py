@@ -12,9 +12,11 @@ from typing import Any
 from lbt.apps.plotting import batch_axis, figure, save_figure
 from lbt.apps.tune.grid import TuneGrid
 from lbt.apps.tune.trials import short
+from lbt.metrics.critical import crossing_step, fit_steps_to_target
 from lbt.paths import atomic_write
 from lbt.spec.lr import scaling_factor
 from lbt.spec.objective import ACC, Metric, metric_named
+from lbt.spec.result import EvalPoint
 
 
 def fit_exponent(batches: list[float], lrs: list[float]) -> tuple[float, float]:
@@ -63,11 +65,13 @@ def summarize(grid: TuneGrid, cells: list[dict], storage: str) -> dict:
     s = grid.settings
     return {
         "gaps": gaps_to_base(cells, s.metric),
+        "steps_to_target": steps_to_target(cells, s.metric, s.target),
         "tune_dir": str(s.dir), "storage": storage,
         "settings": {"trials": s.trials, "seeds": s.seeds, "seed": s.seed, "startup_trials": s.startup_trials,
                      "pruner": s.pruner, "prune_startup_trials": s.prune_startup_trials,
-                     "prune_after": s.prune_after, "sampler": "multivariate TPE", "metric": s.metric.name,
-                     "selected_on": f"final_val_{s.metric.name}"},
+                     "prune_after": s.prune_after, "metric": s.metric.name, "selected_on": f"final_val_{s.metric.name}",
+                     "sampler": "multivariate TPE" if s.sampler == "tpe" else "quasi-random search (scrambled Halton)",
+                     "studies": s.studies, "objective": s.objective, "target": s.target},
         "overrides": grid.fixed, "cells": cells, "lr_fits": fits,
     }
 
@@ -111,6 +115,59 @@ def gaps_to_base(cells: list[dict], metric: Metric = ACC) -> dict:
     return gaps
 
 
+def steps_to_target(cells: list[dict], metric: Metric, target: float | None) -> dict:
+    """AlgoPerf's measure (Dahl et al. 2023, arXiv:2306.07179): per cell, each independent search's fastest
+    trial to the target val value (infinite if none reached it), the median and range over the searches;
+    per curve, S = S_min (1 + B_crit / B) fitted through the medians (McCandlish et al. 2018).
+
+    The target is tune.target, or else the tuned smallest batch's val mean (gaps_to_base's reference) made
+    worse by the metric's target margin (1 point of accuracy), as `lbt report` sets its target. Steps are
+    read from each trial's val curve, interpolated between evaluations (lbt.metrics.critical.crossing_step).
+    """
+    searched = [c for c in cells if any(study.get("curves") for study in c.get("studies") or [])]
+    reference = gaps_to_base(cells, metric).get("reference")
+    if target is None and reference is not None:
+        base = next(c for c in cells if c["cell"] == reference["cell"])
+        target, source = metric.worse_by(tuned_mean(base, "val"), metric.target_margin), \
+            f"the tuned val mean of {reference['series']} at {reference['global_batch']:,}, less " \
+            f"{metric.units(metric.target_margin)}"
+    else:
+        source = "tune.target"
+    if not searched or target is None:
+        return {"target": None, "cells": [], "fits": []}
+    rows = []
+    for c in sorted(searched, key=lambda c: (c["series"], c["global_batch"])):
+        fastest = [fewest_steps(study.get("curves") or {}, target, metric) for study in c["studies"]]
+        done, median = sorted(f for f in fastest if math.isfinite(f)), statistics.median(fastest)
+        rows.append({"cell": c["cell"], "series": c["series"], "global_batch": c["global_batch"],  # None: missed
+                     "per_study": [f if math.isfinite(f) else None for f in fastest],
+                     "median": median if math.isfinite(median) else None, "low": done[0] if done else None,
+                     "high": done[-1] if done else None, "missed": len(fastest) - len(done)})
+    fits = [steps_fit(series, [r for r in rows if r["series"] == series])
+            for series in dict.fromkeys(r["series"] for r in rows)]
+    return {"target": target, "target_from": source, "metric": metric.name, "cells": rows, "fits": fits}
+
+
+def fewest_steps(curves: dict[str, list], target: float, metric: Metric) -> float:
+    """The fewest steps any trial's val curve took to reach `target`; inf if none did (AlgoPerf's rule)."""
+    crossings = [crossing_step([EvalPoint(int(step), 0, 0, value, value) for step, value in curve], target,
+                               metric=metric) for curve in curves.values()]
+    return min((c for c in crossings if c is not None), default=math.inf)
+
+
+def steps_fit(series: str, rows: list[dict]) -> dict[str, Any]:
+    """The critical batch of one curve: S = S_min (1 + B_crit / B) through its cells' median steps to target."""
+    reached = [r for r in rows if r["median"] is not None]
+    fit: dict[str, Any] = {"series": series, "batches": [r["global_batch"] for r in reached], "b_crit": None,
+                           "s_min": None, "rel_rms": None}
+    try:
+        found = fit_steps_to_target(fit["batches"], [r["median"] for r in reached])
+        fit.update(b_crit=found.b_crit, s_min=found.s_min, rel_rms=found.rel_rms)
+    except ValueError as error:
+        fit["note"] = str(error)
+    return fit
+
+
 def number(value: float | None, spec: str = ".4f") -> str:
     """A table cell: `n/a` for a number not measured."""
     return "n/a" if value is None or not math.isfinite(value) else format(value, spec)
@@ -125,6 +182,7 @@ def markdown(summary: dict) -> str:
     metric = metric_named(summary["settings"].get("metric", "acc"), "tune.metric")
     lines = protocol_lines(summary, metric) + lr_fit_lines(summary["lr_fits"])
     lines += gap_lines(summary["gaps"], [fit["series"] for fit in summary["lr_fits"]], metric)
+    lines += steps_lines(summary.get("steps_to_target") or {}, metric)
     cells, m = summary["cells"], metric.name
     for series in dict.fromkeys(c["series"] for c in cells):
         lines += [f"## {series}", "",
@@ -148,8 +206,8 @@ def protocol_lines(summary: dict, metric: Metric) -> list[str]:
     untuned = any(c["default"]["seeds"] for c in cells)
     return [
         f"# Tuning report: {summary['tune_dir']}", "",
-        f"Every cell got the same budget: **{s['trials']} trials** of {s['sampler']} (seed {s['seed']}, the first "
-        f"{s['startup_trials']} random) over its recipe's `tune.space`, each a full `lbt train` run selected on its "
+        f"Every cell got the same budget: **{s['trials']} trials** of {sampler_words(s)} over its recipe's "
+        f"`tune.space`{studies_words(s)}, each a full `lbt train` run selected on its "
         f"final **val** {metric.label} ({metric.direction}d); {pruning}; a "
         f"diverged trial counts, as {metric.worst:g}. The best trial's values (**tuned**)"
         + (" and the recipe's **untuned** defaults" if untuned else " (tune.untuned=false: not the untuned defaults)")
@@ -160,6 +218,21 @@ def protocol_lines(summary: dict, metric: Metric) -> list[str]:
         f"Trials: `optuna-dashboard {summary['storage']}`. The final runs read with `lbt report` too: "
         "`final/` (tuned and untuned side by side), `final/tuned`, `final/default`.", "",
     ]
+
+
+def sampler_words(s: dict) -> str:
+    if s["sampler"] == "multivariate TPE":
+        return f"multivariate TPE (seed {s['seed']}, the first {s['startup_trials']} random)"
+    return f"{s['sampler']} (seed {s['seed']})"
+
+
+def studies_words(s: dict) -> str:
+    """How many independent searches each cell had (tune.studies), and which one gives the tuned values."""
+    studies = s.get("studies", 1)
+    if studies == 1:
+        return ""
+    return (f", in each of **{studies} independent studies** (their own sampler seeds; AlgoPerf's protocol), "
+            "the tuned values being the best trial of the study whose best is the median")
 
 
 def lr_fit_lines(fits: list[dict]) -> list[str]:
@@ -199,6 +272,37 @@ def gap_lines(gaps: dict, series: list[str], metric: Metric = ACC) -> list[str]:
         per = [number(row["per_series"].get(name), spec) for name in series]
         lines.append(f"| {row['global_batch']:,} | {row['ratio']:g} | {row['best_series']} | "
                      f"{format(row['best_gap'], spec)} | " + " | ".join(per) + " |")
+    return lines + [""]
+
+
+def steps_lines(steps: dict, metric: Metric) -> list[str]:
+    """Steps to target per cell (median over the studies, with their range) beside perfect linear scaling,
+    and each curve's fitted critical batch."""
+    if not steps.get("cells"):
+        return []
+    rows, first = steps["cells"], min(steps["cells"], key=lambda r: r["global_batch"])
+    lines = ["## Steps to target (AlgoPerf-style)", "",
+             f"Target: val {metric.name} {metric.show(steps['target'])}{metric.suffix} ({steps['target_from']}). Per "
+             "cell, each independent study's fastest trial to the target (interpolated between evaluations; a study "
+             "none of whose trials reached it counts as infinite), then the **median over the studies**, with the "
+             "range of those that reached it. Perfect scaling: the smallest batch's median x its batch / this batch. "
+             "Fitted: S = S_min (1 + B_crit / B) through the curve's medians.", "",
+             "| recipe | global batch | steps to target (median) | range over studies | studies missed | "
+             "perfect scaling | fitted |", "| --- | ---: | ---: | --- | ---: | ---: | ---: |"]
+    fits = {fit["series"]: fit for fit in steps["fits"]}
+    for r in rows:
+        fit = fits[r["series"]]
+        fitted = fit["s_min"] * (1 + fit["b_crit"] / r["global_batch"]) if fit["b_crit"] else None
+        perfect = first["median"] * first["global_batch"] / r["global_batch"] if first["median"] else None
+        span = "n/a" if r["low"] is None else f"{r['low']:,.0f} - {r['high']:,.0f}"
+        lines.append(f"| {r['series']} | {r['global_batch']:,} | {number(r['median'], ',.0f')} | {span} | "
+                     f"{r['missed']}/{len(r['per_study'])} | {number(perfect, ',.0f')} | {number(fitted, ',.0f')} |")
+    lines += ["", "| recipe | fitted critical batch | S_min (steps) | relative rms | batches fitted |",
+              "| --- | ---: | ---: | ---: | --- |"]
+    for fit in steps["fits"]:
+        crit = f"{fit['b_crit']:,.0f}" if fit["b_crit"] else f"n/a: {fit.get('note')}"
+        lines.append(f"| {fit['series']} | {crit} | {number(fit['s_min'], ',.1f')} | {number(fit['rel_rms'], '.3f')} | "
+                     f"{', '.join(f'{b:,}' for b in fit['batches'])} |")
     return lines + [""]
 
 

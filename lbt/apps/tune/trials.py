@@ -16,10 +16,11 @@ import numpy
 import optuna
 
 from lbt.apps.compose import compose
-from lbt.apps.tune.grid import Cell, TuneGrid
+from lbt.apps.tune.grid import Cell, Settings, TuneGrid
 from lbt.apps.tune.storage import TuneStorage, claim_lock, fail_stale, heartbeat, mark_mine, redacted, storage_name
 from lbt.engine import make_spec, run
 from lbt.errors import ConfigError
+from lbt.metrics.critical import crossing_step
 from lbt.spec.objective import ACC, Metric
 from lbt.spec.result import EvalPoint, RunResult
 from lbt.techniques.base import Technique
@@ -64,26 +65,32 @@ class PruneOnVal(Technique):
             raise optuna.TrialPruned(f"val {self.metric.name} {value:.4f} at {point.samples_seen:,} samples")
 
 
-def open_study(storage: Any, grid: TuneGrid, cell: Cell) -> optuna.Study:
-    """The cell's Optuna study (created, or loaded to continue); refused if it was tuned under other settings."""
+def open_study(storage: Any, grid: TuneGrid, cell: Cell, search: int = 0) -> optuna.Study:
+    """The Optuna study of the cell's `search`-th independent search (created, or loaded to continue); refused
+    if it was tuned under other settings."""
     s = grid.settings
     pruners = {"median": lambda: optuna.pruners.MedianPruner(n_startup_trials=0),  # PruneOnVal waits instead
                "halving": optuna.pruners.SuccessiveHalvingPruner,
                "hyperband": optuna.pruners.HyperbandPruner,
                "none": optuna.pruners.NopPruner}
-    direction = s.metric.direction
-    study = optuna.create_study(storage=storage, study_name=cell.name, direction=direction,
+    direction = "minimize" if s.objective == "steps_to_target" else s.metric.direction  # steps: fewer is better
+    study = optuna.create_study(storage=storage, study_name=cell.study_name(search), direction=direction,
                                 pruner=pruners[s.pruner](), load_if_exists=True)
     if study.direction.name.lower() != direction:  # a loaded study keeps the direction it was created with
         raise ConfigError(f"{s.dir} holds trials of cell {cell.name!r} that {study.direction.name.lower()}d their "
-                          f"value, and tune.metric={s.metric.name} {direction}s it; pick another tune.dir")
-    identity = {"overrides": identity_overrides(grid), "space": cell.space}
+                          f"value, and tune.metric={s.metric.name} tune.objective={s.objective} {direction}s it; pick "
+                          "another tune.dir")
+    identity: dict[str, Any] = {"overrides": identity_overrides(grid), "space": cell.space}
+    # The sampler and the objective when they are not the defaults (a tune from before they existed continues).
+    identity |= {"sampler": s.sampler} if s.sampler != "tpe" else {}
+    identity |= {"objective": s.objective, "target": s.target} if s.objective != "final" else {}
     if not study.user_attrs:
         for key, value in identity.items():
             study.set_user_attr(key, value)
     elif {k: study.user_attrs.get(k) for k in identity} != json.loads(json.dumps(identity)):
-        raise ConfigError(f"{s.dir} holds trials of cell {cell.name!r} run with other overrides or another "
-                          f"search space ({' '.join(study.user_attrs.get('overrides') or [])}); pick another tune.dir")
+        raise ConfigError(f"{s.dir} holds trials of cell {cell.name!r} run with other overrides, another search "
+                          f"space, sampler or objective ({' '.join(study.user_attrs.get('overrides') or [])}); pick "
+                          "another tune.dir")
     return study
 
 
@@ -99,9 +106,11 @@ class Claim:
     trial: optuna.Trial
     slot: int
     armed: bool  # the cell has prune_startup_trials finished trials, so the pruner has something to compare with
+    search: int = 0  # which of the cell's independent searches (tune.studies) the trial belongs to
 
 
-def claim_trial(grid: TuneGrid, cell: Cell, study: optuna.Study, storage: TuneStorage) -> Claim | None:
+def claim_trial(grid: TuneGrid, cell: Cell, study: optuna.Study, storage: TuneStorage,
+                search: int = 0) -> Claim | None:
     """Take the cell's next free trial slot, or None when every slot is done or running in some worker.
 
     Under tune.dir's lock, so two workers never both take the last slot: stale trials (their worker is gone)
@@ -119,16 +128,31 @@ def claim_trial(grid: TuneGrid, cell: Cell, study: optuna.Study, storage: TuneSt
         # Seeded per slot, so a trial redone after an interruption draws what it drew then (in the random
         # startup trials at least); the seed is hashed from (tune.seed, slot), since consecutive seeds give
         # NumPy's RandomState close first draws.
-        seed = int(numpy.random.SeedSequence([s.seed, slot]).generate_state(1)[0])
         finished = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
         with warnings.catch_warnings():  # multivariate TPE is experimental; the heartbeat is ours (storage.py)
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             warnings.filterwarnings("ignore", "Heartbeat of storage")
-            study.sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=s.startup_trials,
-                                                       multivariate=True)
+            study.sampler = sampler(s, search, slot)
             trial = study.ask()
         mark_mine(storage, trial)
-    return Claim(trial, slot, armed=finished >= s.prune_startup_trials)
+    return Claim(trial, slot, armed=finished >= s.prune_startup_trials, search=search)
+
+
+def sampler(s: Settings, search: int, slot: int) -> optuna.samplers.BaseSampler:
+    """The sampler of one slot of one search, seeded from (tune.seed, slot[, search]): hashed, since consecutive
+    seeds give NumPy's RandomState close first draws; the first search keeps the seeds of a tune of one.
+
+    qmc: one scrambled Halton sequence per search (its seed), which Optuna walks along the study's trials;
+    its first point is drawn at random (Optuna's QMCSampler infers the space from it), seeded per slot."""
+    def hashed(*words: int) -> int:
+        return int(numpy.random.SeedSequence(list(words)).generate_state(1)[0])
+
+    seed = hashed(s.seed, slot) if search == 0 else hashed(s.seed, slot, search)
+    if s.sampler == "qmc":
+        return optuna.samplers.QMCSampler(qmc_type="halton", scramble=True, seed=hashed(s.seed, search, 1),
+                                          independent_sampler=optuna.samplers.RandomSampler(seed=seed),
+                                          warn_independent_sampling=False, warn_asynchronous_seeding=False)
+    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=s.startup_trials, multivariate=True)
 
 
 def run_trial(study: optuna.Study, grid: TuneGrid, cell: Cell, claim: Claim, storage: TuneStorage) -> None:
@@ -141,11 +165,12 @@ def run_trial(study: optuna.Study, grid: TuneGrid, cell: Cell, claim: Claim, sto
     metric = grid.settings.metric
     pruning = PruneOnVal(trial, grid.settings.prune_after if claim.armed else None, metric)
     started, shown = time.perf_counter(), shown_values(params)
-    head = f"[{cell.name}] trial {trial.number} ({claim.slot + 1}/{grid.settings.trials})"
+    search = f", study {claim.search + 1}/{grid.settings.studies}" if grid.settings.studies > 1 else ""
+    head = f"[{cell.name}] trial {trial.number} ({claim.slot + 1}/{grid.settings.trials}{search})"
+    run_dir = grid.settings.dir / "trials" / cell.trials_folder(claim.search) / str(trial.number)
     try:
         with heartbeat(storage, trial._trial_id):
-            result = train_run(grid, cell, overrides, grid.settings.dir / "trials" / cell.folder / str(trial.number),
-                               {"params": params}, [pruning])
+            result = train_run(grid, cell, overrides, run_dir, {"params": params}, [pruning])
     except optuna.TrialPruned as error:
         tell(study, trial, state=TrialState.PRUNED)
         print(f"{head}: pruned ({error}) {shown} ({time.perf_counter() - started:.0f} s)", flush=True)
@@ -159,15 +184,42 @@ def run_trial(study: optuna.Study, grid: TuneGrid, cell: Cell, claim: Claim, sto
     if result.stopped:
         tell(study, trial, state=TrialState.FAIL)
         raise Stopped
-    value = final_value(result, metric)
+    value, steps = record(trial, result, grid.settings)
+    # A diverged trial spent the budget like any other: it counts, with the worst value (accuracy 0, loss inf;
+    # steps to target inf, as a run that misses the target: AlgoPerf's rule).
+    if grid.settings.objective == "steps_to_target":
+        tell(study, trial, math.inf if steps is None else steps)
+    else:
+        tell(study, trial, metric.worst if value is None else value)
+    state = f"diverged, counted as val_{metric.name}={metric.worst:g}" if value is None \
+        else f"val_{metric.name}={value:.4f}"
+    if grid.settings.target is not None and value is not None:
+        state += f", target {metric.show(grid.settings.target)}{metric.suffix} " + \
+            (f"at step {steps:,.0f}" if steps is not None else "missed")
+    print(f"{head}: {state} {shown} ({time.perf_counter() - started:.0f} s)", flush=True)
+
+
+def record(trial: optuna.Trial, result: RunResult, s: Settings) -> tuple[float | None, float | None]:
+    """The trial's user attributes: its final val value (`final_val`, None if diverged), its val curve
+    (`curve`: [step, value] per evaluation, from which the report reads steps to any target) and, with
+    tune.target, the steps to it (`steps_to_target`, None if missed). Returns (final value, steps)."""
+    value = final_value(result, s.metric)
+    steps = None
+    if s.target is not None and value is not None:
+        steps = crossing_step(result.history, s.target, metric=s.metric)
     for key in ("global_batch", "base_lr", "peak_lr"):
         trial.set_user_attr(key, getattr(result, key))
     trial.set_user_attr("diverged", value is None)
-    # A diverged trial spent the budget like any other: it counts, with the worst value (accuracy 0, loss inf).
-    tell(study, trial, metric.worst if value is None else value)
-    state = f"diverged, counted as val_{metric.name}={metric.worst:g}" if value is None \
-        else f"val_{metric.name}={value:.4f}"
-    print(f"{head}: {state} {shown} ({time.perf_counter() - started:.0f} s)", flush=True)
+    trial.set_user_attr("final_val", value)
+    trial.set_user_attr("steps_to_target", steps)
+    trial.set_user_attr("curve", curve(result, s.metric))
+    return value, steps
+
+
+def curve(result: RunResult, metric: Metric) -> list[list[float]]:
+    """[step, val value] per finite evaluation of a run."""
+    points = ((p.step, getattr(p, metric.name)) for p in result.history)
+    return [[int(step), float(value)] for step, value in points if math.isfinite(value)]
 
 
 def tell(study: optuna.Study, trial: optuna.Trial, value: float | None = None,

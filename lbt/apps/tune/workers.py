@@ -32,17 +32,19 @@ from lbt.apps.tune.trials import TrialState, claim_trial, run_trial
 HELPER = "LBT_TUNE_HELPER"  # set in the extra processes of tune.workers=N: they leave the talking to the first
 
 
-def work(grid: TuneGrid, storage: TuneStorage, studies: list[optuna.Study], new_runs: dict) -> None:
-    """Finals, trials, or a wait, until every cell of the grid is finished (by this worker or others)."""
-    for cell, study in zip(grid.cells, studies):
-        if finished(grid, cell, study) and not os.environ.get(HELPER):
+def work(grid: TuneGrid, storage: TuneStorage, studies: list[list[optuna.Study]], new_runs: dict) -> None:
+    """Finals, trials, or a wait, until every cell of the grid is finished (by this worker or others).
+
+    `studies`: each cell's Optuna studies, one per independent search (tune.studies)."""
+    for cell, searches in zip(grid.cells, studies):
+        if finished(grid, cell, searches) and not os.environ.get(HELPER):
             print(f"[{cell.name}] done before: its trials and final runs", flush=True)
     waited = False
     while True:
         if finish_next_cell(grid, studies, new_runs) or run_next_trial(grid, storage, studies, new_runs):
             waited = False
             continue
-        left = [cell.name for cell, study in zip(grid.cells, studies) if not finished(grid, cell, study)]
+        left = [cell.name for cell, searches in zip(grid.cells, studies) if not finished(grid, cell, searches)]
         if not left:
             return
         if not waited:
@@ -51,33 +53,37 @@ def work(grid: TuneGrid, storage: TuneStorage, studies: list[optuna.Study], new_
         time.sleep(min(storage.heartbeat, 2))
 
 
-def run_next_trial(grid: TuneGrid, storage: TuneStorage, studies: list[optuna.Study], new_runs: dict) -> bool:
-    """Claim and run the first free trial slot of the grid; False if there is none."""
-    for cell, study in zip(grid.cells, studies):
-        claim = claim_trial(grid, cell, study, storage)
-        if claim is not None:
-            run_trial(study, grid, cell, claim, storage)
-            new_runs["trials"] += 1
-            return True
+def run_next_trial(grid: TuneGrid, storage: TuneStorage, studies: list[list[optuna.Study]], new_runs: dict) -> bool:
+    """Claim and run the first free trial slot of the grid (a cell's searches in turn); False if there is none."""
+    for cell, searches in zip(grid.cells, studies):
+        for search, study in enumerate(searches):
+            claim = claim_trial(grid, cell, study, storage, search)
+            if claim is not None:
+                run_trial(study, grid, cell, claim, storage)
+                new_runs["trials"] += 1
+                return True
     return False
 
 
-def trials_done(grid: TuneGrid, study: optuna.Study) -> bool:
-    """tune.trials finished or pruned trials, and none running or waiting in any worker."""
-    trials = study.get_trials(deepcopy=False)
-    counted = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
-    return counted >= grid.settings.trials and not any(t.state in (TrialState.RUNNING, TrialState.WAITING)
-                                                      for t in trials)
+def trials_done(grid: TuneGrid, searches: list[optuna.Study]) -> bool:
+    """tune.trials finished or pruned trials in each of the cell's searches, and none running or waiting in
+    any worker."""
+    for study in searches:
+        trials = study.get_trials(deepcopy=False)
+        counted = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
+        if counted < grid.settings.trials or any(t.state in (TrialState.RUNNING, TrialState.WAITING) for t in trials):
+            return False
+    return True
 
 
-def finish_next_cell(grid: TuneGrid, studies: list[optuna.Study], new_runs: dict) -> bool:
+def finish_next_cell(grid: TuneGrid, studies: list[list[optuna.Study]], new_runs: dict) -> bool:
     """Train the final runs of the first cell that is ready for them and that no other worker is finishing."""
-    for cell, study in zip(grid.cells, studies):
-        if not trials_done(grid, study) or finished(grid, cell, study):
+    for cell, searches in zip(grid.cells, studies):
+        if not trials_done(grid, searches) or finished(grid, cell, searches):
             continue
         with cell_lock(grid.settings.dir, cell.folder) as mine:
-            if mine and not finished(grid, cell, study):
-                finish_cell(grid, cell, study, new_runs)
+            if mine and not finished(grid, cell, searches):
+                finish_cell(grid, cell, searches, new_runs)
                 return True
     return False
 

@@ -1,0 +1,127 @@
+"""`lbt tune` under AlgoPerf's protocol: independent studies per cell (tune.studies), quasi-random search
+(tune.sampler=qmc), steps to a target val value (tune.objective=steps_to_target, and the report's table) and
+the fitted critical batch per recipe (lbt/apps/tune/report.py)."""
+
+import math
+
+import optuna
+import pytest
+from test_tune import TINY, trials_in
+
+from lbt.apps import cli
+from lbt.apps.tune.command import tune
+from lbt.apps.tune.finals import median_search
+from lbt.apps.tune.report import fewest_steps, steps_fit
+from lbt.metrics.critical import crossing_step
+from lbt.spec.objective import ACC, LOSS
+from lbt.spec.result import EvalPoint
+
+ALGOPERF = ["tune.sampler=qmc", "tune.pruner=none", "tune.seeds=1", "tune.untuned=false"]
+
+
+@pytest.mark.slow
+def test_independent_studies_per_cell_then_steps_to_target_and_the_fitted_critical_batch(tmp_path, capsys):
+    args = [*TINY, "recipe=baseline", "dist.world_size=1,2,4", "tune.trials=2", "tune.studies=2", *ALGOPERF,
+            f"tune.dir={tmp_path}"]
+    summary = tune(args)
+    out = capsys.readouterr().out
+    assert "x 2 trials x 2 independent studies (quasi-random (Halton)" in out
+    assert "(2/2, study 2/2)" in out
+
+    # Each cell has two Optuna studies of exactly tune.trials trials; the second search's runs have their folder.
+    trials = trials_in(tmp_path)
+    names = [f"recipe=baseline dist.world_size={w}" for w in (1, 2, 4)]
+    assert sorted(trials) == sorted(names + [f"{n} study=2" for n in names])
+    assert all([state for _, state in states] == ["COMPLETE"] * 2 for states in trials.values())
+    assert (tmp_path / "trials" / "recipe=baseline,dist.world_size=1" / "study_2" / "1" / "result.json").is_file()
+    # The searches are independent: their quasi-random points differ.
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    points = [[t.params["optim.lr"] for t in optuna.load_study(study_name=name, storage=storage).trials]
+              for name in (names[0], f"{names[0]} study=2")]
+    assert points[0] != points[1]
+
+    for cell in summary["cells"]:
+        # The tuned values are the best trial of the median study (of 2: the lower one).
+        studies = cell["studies"]
+        assert [s["study"] for s in studies] == [1, 2] and all(len(s["curves"]) == 2 for s in studies)
+        median = min(studies, key=lambda s: (s["val_acc"], -s["study"]))
+        assert (cell["best"]["study"], cell["best"]["trial"]) == (median["study"], median["trial"])
+        study = optuna.load_study(study_name=cell["cell"] + ("" if median["study"] == 1 else " study=2"),
+                                  storage=storage)
+        assert cell["best"]["params"] == study.trials[median["trial"]].params
+
+    # Steps to target: the tuned base batch's val accuracy less a point, read from every trial's curve.
+    steps = summary["steps_to_target"]
+    base = next(c for c in summary["cells"] if c["global_batch"] == 16)
+    assert steps["target"] == pytest.approx(base["tuned"]["val_mean_std"][0] - 0.01)
+    for row, cell in zip(steps["cells"], sorted(summary["cells"], key=lambda c: c["global_batch"])):
+        expected = []
+        for study in cell["studies"]:
+            crossings = [crossing_step([EvalPoint(s, 0, 0, v, v) for s, v in curve], steps["target"])
+                         for curve in study["curves"].values()]
+            expected.append(min((c for c in crossings if c is not None), default=math.inf))
+        assert row["per_study"] == pytest.approx([None if e == math.inf else e for e in expected])
+    fit = steps["fits"][0]
+    assert fit["series"] == "baseline" and (fit["b_crit"] is not None or fit["note"])
+    report = (tmp_path / "tune_report.md").read_text()
+    assert "## Steps to target (AlgoPerf-style)" in report and "fitted critical batch" in report
+    assert "in each of **2 independent studies**" in report
+
+    # The same command again: nothing new.
+    tune(args)
+    assert "0 new trials, 0 new final runs" in capsys.readouterr().out
+
+
+def test_the_steps_objective_minimises_steps_and_counts_a_missed_target_as_infinite(tmp_path):
+    args = [*TINY, "recipe=baseline", "dist.world_size=1", "tune.trials=2", *ALGOPERF,
+            "tune.objective=steps_to_target", f"tune.dir={tmp_path}"]
+    tune(args + ["tune.target=0.999"])  # not reached by a tiny run
+    study = optuna.load_study(study_name="recipe=baseline dist.world_size=1",
+                              storage=f"sqlite:///{tmp_path / 'optuna.db'}")
+    assert study.direction == optuna.study.StudyDirection.MINIMIZE
+    assert [t.value for t in study.trials] == [math.inf, math.inf]
+    assert all(t.user_attrs["steps_to_target"] is None and t.user_attrs["final_val"] > 0 for t in study.trials)
+    # The same folder with another target is another tune: refused rather than mixed in.
+    with pytest.raises(Exception, match="another search space, sampler or objective"):
+        tune(args + ["tune.target=0.5"])
+    reached = tmp_path / "reached"
+    tune([*args[:-1], f"tune.dir={reached}", "tune.target=0.05"])  # reached at the first evaluation
+    trials = optuna.load_study(study_name="recipe=baseline dist.world_size=1",
+                               storage=f"sqlite:///{reached / 'optuna.db'}").trials
+    assert all(0 < t.value < math.inf and t.value == t.user_attrs["steps_to_target"] for t in trials)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["tune.objective=steps_to_target", "tune.pruner=none"], "tune.objective=steps_to_target needs tune.target"),
+    (["tune.objective=steps_to_target", "tune.target=0.8"], "with tune.pruner=median"),
+    (["tune.target=80"], "tune.target=80 is a val accuracy and lies in (0, 1]"),
+    (["tune.studies=0"], "tune.studies must be"),
+    (["tune.sampler=grid"], "tune.sampler must be one of tpe, qmc"),
+    (["tune.objective=fastest"], "tune.objective must be one of final, steps_to_target"),
+])
+def test_protocol_mistakes_are_one_line(overrides, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["tune", *TINY, "recipe=baseline", *overrides, f"tune.dir={tmp_path / 't'}"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and err.startswith("lbt: error: ") and message in err, err
+    assert not (tmp_path / "t").exists()
+
+
+def test_the_median_study_and_fewest_steps():
+    searches = [{"study": k + 1, "trial": k, "val_acc": acc} for k, acc in enumerate([0.7, 0.9, 0.8])]
+    assert median_search(searches, ACC)["study"] == 3
+    assert median_search(searches[:2], ACC)["study"] == 1  # of two, the lower
+    losses = [{"study": k + 1, "trial": k, "val_loss": v} for k, v in enumerate([0.3, 0.1, 0.2, 0.4])]
+    assert median_search(losses, LOSS)["study"] == 1  # 0.4 0.3 | 0.2 0.1: the lower middle is 0.3
+    assert median_search([{"study": 1, "trial": None, "val_acc": None}], ACC) is None
+    curves = {"0": [[10, 0.5], [20, 0.7]], "1": [[10, 0.6], [20, 0.9]]}
+    assert fewest_steps(curves, 0.7, ACC) == pytest.approx(10 + 10 * (0.1 / 0.3))  # trial 1, interpolated
+    assert fewest_steps(curves, 0.95, ACC) == math.inf
+
+
+def test_steps_fit_recovers_the_critical_batch_and_says_why_not():
+    rows = [{"global_batch": b, "median": 100 * (1 + 512 / b)} for b in (64, 256, 1024, 4096)]
+    fit = steps_fit("muon", rows + [{"global_batch": 8192, "median": None}])  # a missed cell is left out
+    assert fit["b_crit"] == pytest.approx(512) and fit["s_min"] == pytest.approx(100)
+    assert fit["batches"] == [64, 256, 1024, 4096]
+    assert "at least 3 distinct batches" in steps_fit("lars", rows[:2])["note"]
