@@ -12,6 +12,7 @@ from lbt.apps import cli
 from lbt.apps.tune.command import tune
 from lbt.apps.tune.finals import median_search
 from lbt.apps.tune.report import fewest_steps, steps_fit
+from lbt.errors import ConfigError
 from lbt.metrics.critical import crossing_step
 from lbt.spec.objective import ACC, LOSS
 from lbt.spec.result import EvalPoint
@@ -89,6 +90,21 @@ def test_the_steps_objective_minimises_steps_and_counts_a_missed_target_as_infin
     trials = optuna.load_study(study_name="recipe=baseline dist.world_size=1",
                                storage=f"sqlite:///{reached / 'optuna.db'}").trials
     assert all(0 < t.value < math.inf and t.value == t.user_attrs["steps_to_target"] for t in trials)
+
+
+def test_a_final_run_of_other_values_is_refused_not_reused(tmp_path):
+    """Trials added to a finished cell (more tune.trials or tune.studies) can choose other values: the finals
+    trained for the old ones are neither read back as the new ones' nor overwritten."""
+    from lbt.apps.tune.finals import final_run
+    from lbt.apps.tune.grid import tune_grid
+
+    args = [*TINY, "recipe=baseline", "dist.world_size=1", "tune.trials=1", *ALGOPERF, f"tune.dir={tmp_path}"]
+    best = tune(args)["cells"][0]["best"]["params"]
+    grid = tune_grid(args)
+    again = final_run(grid, grid.cells[0], "tuned", dict(best), 1, {"finals": 0})  # the same values: read back
+    assert again.config["tune"]["params"] == best
+    with pytest.raises(ConfigError, match="holds a final run of other values .* never overwritten"):
+        final_run(grid, grid.cells[0], "tuned", {"optim.lr": 0.5}, 1, {"finals": 0})
 
 
 @pytest.mark.parametrize("overrides, message", [

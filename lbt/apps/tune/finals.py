@@ -20,6 +20,7 @@ from lbt.apps.tune.trials import (
     shown_values,
     train_run,
 )
+from lbt.errors import ConfigError
 from lbt.metrics.spread import mean_std
 from lbt.paths import atomic_write
 from lbt.spec.objective import Metric
@@ -167,6 +168,12 @@ def final_run(grid: TuneGrid, cell: Cell, kind: str, params: dict, seed: int, ne
     run_dir = grid.settings.dir / "final" / kind / cell.folder / f"seed_{seed}"
     if (run_dir / "result.json").is_file():
         done = read_result(run_dir)
+        trained = (done.config.get("tune") or {}).get("params") or {}
+        if trained != params:  # the cell's trials grew (tune.trials, tune.studies) and chose other values
+            raise ConfigError(f"{run_dir} holds a final run of other values ({shown_values(trained) or 'the defaults'})"
+                              f" than the cell's best now ({shown_values(params)}): its trials changed since, and a "
+                              f"finished run is never overwritten; tune into another tune.dir, or move "
+                              f"{run_dir.parent} away to train them again")
         if not done.failed:
             return done
     started = time.perf_counter()
