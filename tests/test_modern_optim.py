@@ -297,6 +297,9 @@ BAD = {
     "torch_muon_on_a_bias": (["optim=adamw", "optim.optimizer_class=torch.optim.Muon", "model=mlp"],
                              "torch.optim.Muon cannot take parameter 1.bias of shape (128,)"),
     "muon_bad_value": (["optim=muon", "optim.ns_dtype=float16"], "ns_dtype must be auto, bfloat16 or float32"),
+    # Refused before any process starts: Newton-Schulz needs each matrix whole, a tensor-parallel rank has half.
+    "muon_tensor_parallel": (["optim=muon", "model=transformer1d", "dist.procs=2", "dist.world_size=2",
+                              "dist.tensor_parallel=2"], "optim.optimizer_class=MuonAdamW with layers split"),
 }
 
 

@@ -19,6 +19,7 @@ from lbt.engine.precision import check_channels_last
 from lbt.engine.strategies.base import StepStrategy
 from lbt.errors import ConfigError
 from lbt.metrics.text_log import note, say_once
+from lbt.optim.factory import refuse_split_matrices
 from lbt.parallel import fsdp, tensor_parallel
 from lbt.parallel.process_group import DistContext
 from lbt.spec.batching import BatchLayout, Budget, check_fits, make_budget
@@ -55,7 +56,8 @@ def check_targets(spec: RunSpec) -> None:
     locate("data._target_", spec.data.target, DataSplits)
     locate("optim._target_", spec.optim.target, torch.optim.Optimizer)
     if isinstance(spec.optim.kwargs.get("optimizer_class"), str):
-        locate("optim.optimizer_class", spec.optim.kwargs["optimizer_class"], torch.optim.Optimizer)
+        optimizer_class = locate("optim.optimizer_class", spec.optim.kwargs["optimizer_class"], torch.optim.Optimizer)
+        refuse_split_matrices(optimizer_class, spec.layout.tensor_parallel > 1)  # Muon, SOAP: whole matrices only
     if isinstance(spec.data.kwargs.get("dataset"), str):
         locate("data.dataset", spec.data.kwargs["dataset"], tuple)
     for technique in spec.techniques:
