@@ -63,9 +63,10 @@ def summarize(grid: TuneGrid, cells: list[dict], storage: str) -> dict:
     fits = [lr_fit(series, [c for c in cells if c["series"] == series])
             for series in dict.fromkeys(c["series"] for c in cells)]
     s = grid.settings
+    gaps = gaps_to_base(cells, s.metric)
     return {
-        "gaps": gaps_to_base(cells, s.metric),
-        "steps_to_target": steps_to_target(cells, s.metric, s.target),
+        "gaps": gaps,
+        "steps_to_target": steps_to_target(cells, s.metric, s.target, gaps.get("reference")),
         "tune_dir": str(s.dir), "storage": storage,
         "settings": {"trials": s.trials, "seeds": s.seeds, "seed": s.seed, "startup_trials": s.startup_trials,
                      "pruner": s.pruner, "prune_startup_trials": s.prune_startup_trials,
@@ -115,17 +116,16 @@ def gaps_to_base(cells: list[dict], metric: Metric = ACC) -> dict:
     return gaps
 
 
-def steps_to_target(cells: list[dict], metric: Metric, target: float | None) -> dict:
+def steps_to_target(cells: list[dict], metric: Metric, target: float | None, reference: dict | None) -> dict:
     """AlgoPerf's measure (Dahl et al. 2023, arXiv:2306.07179): per cell, each independent search's fastest
     trial to the target val value (infinite if none reached it), the median and range over the searches;
     per curve, S = S_min (1 + B_crit / B) fitted through the medians (McCandlish et al. 2018).
 
-    The target is tune.target, or else the tuned smallest batch's val mean (gaps_to_base's reference) made
+    The target is tune.target, or else the tuned smallest batch's val mean (`reference`, gaps_to_base's) made
     worse by the metric's target margin (1 point of accuracy), as `lbt report` sets its target. Steps are
     read from each trial's val curve, interpolated between evaluations (lbt.metrics.critical.crossing_step).
     """
     searched = [c for c in cells if any(study.get("curves") for study in c.get("studies") or [])]
-    reference = gaps_to_base(cells, metric).get("reference")
     if target is None and reference is not None:
         base = next(c for c in cells if c["cell"] == reference["cell"])
         target, source = metric.worse_by(tuned_mean(base, "val"), metric.target_margin), \
