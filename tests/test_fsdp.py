@@ -16,7 +16,7 @@ from torch import nn
 
 from lbt.cost.data_parallel import fsdp_bytes_sent, ring_bytes_sent
 from lbt.cost.memory import ModelMemory, fewest_gpus
-from lbt.engine.worker import make_spec, train_process
+from lbt.engine.worker import exit_worker, make_spec, train_process
 from lbt.errors import ConfigError
 from lbt.models.cnn1d import CNN1d
 from lbt.models.gpt import GPT
@@ -103,6 +103,7 @@ def _jobs_on_ranks(rank: int, procs: int, ports: list[int], jobs: list) -> None:
         os.environ["MASTER_PORT"] = str(port)
         config, recipe = compose_config(FAST + overrides)
         train_process(rank, None, make_spec(config, recipe), str(run_dir), rank, procs)
+    exit_worker()  # as lbt's own workers end: the interpreter's teardown of gloo objects sometimes aborts
 
 
 def spawn_jobs(procs: int, jobs: list) -> None:
