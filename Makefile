@@ -31,12 +31,16 @@ lint: setup
 	$(BIN)/ruff check lbt tests bench
 	$(BIN)/mypy
 
+# Two test files at a time (pytest-xdist; a file's tests and fixtures stay in one worker): a test waiting on
+# the processes it started leaves a core to the other file.
+PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile
+
 test: lint
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(PYTEST) $(ARGS)
 
 test-fast: setup
 	$(BIN)/ruff check lbt tests bench
-	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+	$(PYTEST) -m "not slow" $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

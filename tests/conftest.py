@@ -29,6 +29,12 @@ FAST = ["data=synthetic", "trainer.progress=false", "trainer.device=cpu"]
 # lbt's check of processes against cores and memory is told to let them start (tests/test_faults_engine.py
 # checks the refusal with this unset). Spawned workers and `lbt` commands inherit it.
 os.environ.setdefault("LBT_ALLOW_OVERSUBSCRIBE", "1")
+# `make test` runs two test files at once (pytest-xdist): one intra-op thread per process, in this process and
+# in every run and worker it starts, so two busy files do not oversubscribe the cores (a run of 2 threads
+# beside another took 10x longer). The same count everywhere keeps in-process and command runs bitwise alike.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 def compose_config(overrides: list[str]) -> tuple[dict, str]:

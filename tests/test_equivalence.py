@@ -16,25 +16,37 @@ STEPS = ["data.num_train=1280", "trainer.epochs=1", "optim.lr=0.05"]  # 1280 / 6
 W4 = ["dist.world_size=4", "trainer.global_batch=64"]
 
 
-def layouts(model: str, tmp_path, fuse: bool = True):
-    """Final parameters and results of: P=4 x k=1, P=2 x k=2, P=1 x k=4 (all W=4), and W=1."""
-    common = [f"model={model}", *STEPS]
-    fuse_workers = f"dist.fuse_workers={str(fuse).lower()}"
-    real = train(tmp_path / "real", common + W4 + ["dist.procs=4"])
-    mixed = train(tmp_path / "mixed", common + W4 + ["dist.procs=2", fuse_workers])
-    simulated = train(tmp_path / "sim", common + W4 + ["dist.procs=1", fuse_workers])
-    single = train(tmp_path / "single", common + ["dist.world_size=1", "trainer.per_worker_batch=64"])
-    results = (real, mixed, simulated, single)
-    for result in results:
-        assert result["steps"] == 20 and result["global_batch"] == 64
-    assert (real["procs"], mixed["procs"], simulated["procs"]) == (4, 2, 1)
-    return [final_params(tmp_path / name) for name in ("real", "mixed", "sim", "single")], results
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """layouts(model, fuse): final parameters and results of P=4 x k=1, P=2 x k=2, P=1 x k=4 (all W=4), and
+    W=1. The runs that do not simulate (P=4 and W=1) are trained once per model for both `fuse` values."""
+    unsimulated: dict[str, tuple] = {}
+
+    def runs(model: str, fuse: bool) -> tuple[list, tuple]:
+        common = [f"model={model}", *STEPS]
+        root = tmp_path_factory.mktemp(f"{model}-{fuse}")
+        if model not in unsimulated:
+            shared = tmp_path_factory.mktemp(model)
+            real = train(shared / "real", common + W4 + ["dist.procs=4"])
+            single = train(shared / "single", common + ["dist.world_size=1", "trainer.per_worker_batch=64"])
+            unsimulated[model] = (real, final_params(shared / "real"), single, final_params(shared / "single"))
+        real, real_params, single, single_params = unsimulated[model]
+        fuse_workers = f"dist.fuse_workers={str(fuse).lower()}"
+        mixed = train(root / "mixed", common + W4 + ["dist.procs=2", fuse_workers])
+        simulated = train(root / "sim", common + W4 + ["dist.procs=1", fuse_workers])
+        results = (real, mixed, simulated, single)
+        for result in results:
+            assert result["steps"] == 20 and result["global_batch"] == 64
+        assert (real["procs"], mixed["procs"], simulated["procs"]) == (4, 2, 1)
+        return [real_params, final_params(root / "mixed"), final_params(root / "sim"), single_params], results
+
+    return runs
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "sequential"])
-def test_bn_free_model_is_identical_across_layouts(tmp_path, fuse):
-    (real, mixed, simulated, single), results = layouts("mlp", tmp_path, fuse)
+def test_bn_free_model_is_identical_across_layouts(layouts, fuse):
+    (real, mixed, simulated, single), results = layouts("mlp", fuse)
     assert relative_diff(real, simulated) < 1e-5
     assert relative_diff(real, single) < 1e-5
     assert relative_diff(simulated, single) < 1e-5
@@ -48,8 +60,8 @@ def test_bn_free_model_is_identical_across_layouts(tmp_path, fuse):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "sequential"])
-def test_batchnorm_model_real_equals_simulated_but_not_single_worker(tmp_path, fuse):
-    (real, mixed, simulated, single), results = layouts("cnn1d", tmp_path, fuse)
+def test_batchnorm_model_real_equals_simulated_but_not_single_worker(layouts, fuse):
+    (real, mixed, simulated, single), results = layouts("cnn1d", fuse)
     assert relative_diff(real, simulated) < 1e-5
     assert relative_diff(real, mixed) < 1e-5
     # per-worker BN statistics over 16 samples are not those over 64 samples

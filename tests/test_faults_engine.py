@@ -259,3 +259,16 @@ def test_a_resume_refuses_another_fuse_workers(finished, tmp_path):
     run_dir = interrupted(finished, tmp_path)
     with pytest.raises(ConfigError, match=r"belongs to another run: dist.fuse_workers \(\"auto\" -> false\)"):
         train(run_dir, RUN + ["trainer.resume=auto", "dist.fuse_workers=false"])
+
+
+def test_threads_follow_omp_num_threads_where_set(monkeypatch):
+    """trainer.threads=null: OMP_NUM_THREADS (torchrun sets 1 per process), else the cores shared by the processes."""
+    from lbt.engine.worker import default_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert default_threads(2) == 3
+    for unusable in ("0", "two", ""):
+        monkeypatch.setenv("OMP_NUM_THREADS", unusable)
+        assert default_threads(2) == max(1, (os.cpu_count() or 1) // 2)
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert default_threads(64) == 1

@@ -1,5 +1,9 @@
-"""Exact resume: a run stopped part-way (SIGKILL after a checkpoint, or SIGTERM mid-epoch)
-and continued with trainer.resume=auto ends bitwise equal to the run trained straight."""
+"""Exact resume through the `lbt` command: a run of two real processes stopped part-way (SIGKILL after a
+checkpoint, SIGTERM mid-epoch, Ctrl-C) and continued with trainer.resume=auto ends bitwise equal to the run
+trained straight.
+
+Simulated workers resume the same way in process (tests/test_resume_matrix.py: every recipe and technique);
+a killed worker is named (tests/test_launchers.py) and its run resumed exactly (tests/test_restarts.py)."""
 
 import json
 import os
@@ -18,7 +22,7 @@ EPOCHS = 4
 STEPS_PER_EPOCH = 16  # 2048 samples / global batch 128
 RUN = FAST + ["model=cnn1d", "data.num_train=2048", f"trainer.epochs={EPOCHS}", "trainer.log_every=2",
               "trainer.global_batch=128", "measure=[gns]", "trainer.evals=0"]
-LAYOUTS = {"simulated": ["dist.world_size=2"], "real": ["dist.world_size=2", "dist.procs=2"]}
+REAL = ["dist.world_size=2", "dist.procs=2"]
 
 
 def start(args: list[str], cwd: Path) -> subprocess.Popen:
@@ -48,29 +52,18 @@ def assert_same_run(straight: Path, resumed: Path) -> None:
     assert train_steps == sorted(set(train_steps))  # no step logged twice
 
 
-_REFERENCES: dict[str, Path] = {}
-
-
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """The run trained without interruption, once per layout."""
-
-    def reference(layout: str) -> Path:
-        if layout not in _REFERENCES:
-            root = tmp_path_factory.mktemp(f"straight-{layout}")
-            done = lbt_cli(["train", *RUN, *LAYOUTS[layout], f"hydra.run.dir={root / 'run'}"], root, timeout=300)
-            assert done.returncode == 0, done.stderr
-            _REFERENCES[layout] = root / "run"
-        return _REFERENCES[layout]
-
-    return reference
+def straight(tmp_path_factory) -> Path:
+    """The run trained without interruption."""
+    root = tmp_path_factory.mktemp("straight")
+    done = lbt_cli(["train", *RUN, *REAL, f"hydra.run.dir={root / 'run'}"], root, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return root / "run"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_resume_after_sigkill_following_a_checkpoint(straight, layout, tmp_path):
-    reference = straight(layout)
-    args = [*RUN, *LAYOUTS[layout], f"hydra.run.dir={tmp_path / 'run'}"]
+def test_resume_after_sigkill_following_a_checkpoint(straight, tmp_path):
+    args = [*RUN, *REAL, f"hydra.run.dir={tmp_path / 'run'}"]
     job = start(args, tmp_path)
     latest = tmp_path / "run" / "checkpoint" / "latest.json"
     deadline = time.monotonic() + 240
@@ -83,14 +76,12 @@ def test_resume_after_sigkill_following_a_checkpoint(straight, layout, tmp_path)
     resumed = lbt_cli(["train", *args, "trainer.resume=auto"], tmp_path, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from step" in resumed.stdout
-    assert_same_run(reference, tmp_path / "run")
+    assert_same_run(straight, tmp_path / "run")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_resume_after_sigterm_in_the_middle_of_an_epoch(straight, layout, tmp_path):
-    reference = straight(layout)
-    args = [*RUN, *LAYOUTS[layout], "trainer.checkpoint_every=0", f"hydra.run.dir={tmp_path / 'run'}"]
+def test_resume_after_sigterm_in_the_middle_of_an_epoch(straight, tmp_path):
+    args = [*RUN, *REAL, "trainer.checkpoint_every=0", f"hydra.run.dir={tmp_path / 'run'}"]
     job = start(args, tmp_path)
     wait_for_line(job, "epoch 1/")
     os.kill(job.pid, signal.SIGTERM)  # what SLURM sends on preemption
@@ -102,14 +93,13 @@ def test_resume_after_sigterm_in_the_middle_of_an_epoch(straight, layout, tmp_pa
     resumed = lbt_cli(["train", *args, "trainer.resume=auto"], tmp_path, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from step {meta['step']}" in resumed.stdout
-    assert_same_run(reference, tmp_path / "run")
+    assert_same_run(straight, tmp_path / "run")
 
 
 @pytest.mark.slow
 def test_ctrl_c_checkpoints_and_stops_cleanly(straight, tmp_path):
     """Ctrl-C in a terminal sends SIGINT to the whole process group: launcher and workers."""
-    reference = straight("real")
-    args = [*RUN, *LAYOUTS["real"], "trainer.checkpoint_every=0", f"hydra.run.dir={tmp_path / 'run'}"]
+    args = [*RUN, *REAL, "trainer.checkpoint_every=0", f"hydra.run.dir={tmp_path / 'run'}"]
     job = start(args, tmp_path)
     wait_for_line(job, "epoch 1/")
     os.killpg(job.pid, signal.SIGINT)
@@ -122,26 +112,4 @@ def test_ctrl_c_checkpoints_and_stops_cleanly(straight, tmp_path):
     resumed = lbt_cli(["train", *args, "trainer.resume=auto"], tmp_path, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from step {meta['step']}" in resumed.stdout
-    assert_same_run(reference, tmp_path / "run")
-
-
-@pytest.mark.slow
-def test_killed_worker_leaves_a_resumable_checkpoint(straight, tmp_path):
-    layout = "real"  # P=2: a worker process to kill
-    reference = straight(layout)
-    args = [*RUN, *LAYOUTS[layout], f"hydra.run.dir={tmp_path / 'run'}"]
-    job = start(args, tmp_path)
-    wait_for_line(job, "epoch 2/")
-    workers = subprocess.run(["pgrep", "-P", str(job.pid), "-f", "spawn_main"], capture_output=True, text=True)
-    victim = int(workers.stdout.split()[-1])
-    killed = time.monotonic()
-    os.kill(victim, signal.SIGKILL)
-    _, err = job.communicate(timeout=60)
-    assert time.monotonic() - killed < 30 and job.returncode != 0
-    assert "rank" in err and "SIGKILL" in err and "Traceback" not in err
-    meta = json.loads((tmp_path / "run" / "checkpoint" / "latest.json").read_text())
-    assert meta["step"] >= STEPS_PER_EPOCH  # the epoch-1 checkpoint survived the crash
-    resumed = lbt_cli(["train", *args, "trainer.resume=auto"], tmp_path, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"resumed from step {meta['step']}" in resumed.stdout
-    assert_same_run(reference, tmp_path / "run")
+    assert_same_run(straight, tmp_path / "run")

@@ -265,8 +265,7 @@ def train_process(rank: int, store_port: int | None, spec: RunSpec, run_dir: str
                   on_step: Callable[[int], None] | None = None) -> RunResult:
     """One process of the run, from joining its process group to its result (rank 0's; others' are empty)."""
     procs = spec.procs
-    # Share the cores among the processes of this machine, so P=2 on 2 cores does not oversubscribe them.
-    torch.set_num_threads(spec.trainer.threads or max(1, (os.cpu_count() or 1) // local_procs))
+    torch.set_num_threads(spec.trainer.threads or default_threads(local_procs))
     device = pg.pick_device(spec.trainer.device, local_rank)
     backend = pg.pick_backend(spec.dist.backend, device)
     with stop_on_signals(), pg.process_group(backend, rank, procs, spec.dist.timeout_s, store_port), \
@@ -294,6 +293,14 @@ def train_process(rank: int, store_port: int | None, spec: RunSpec, run_dir: str
         if ctx.is_main:
             result = finish(spec, trainer.parts, result, run_dir, trainer.log, model_state)
         return result if ctx.is_main else RunResult()
+
+
+def default_threads(local_procs: int) -> int:
+    """Intra-op threads when trainer.threads is null: OMP_NUM_THREADS where it is set (as torch itself reads
+    it; torchrun sets 1 per process), else the machine's cores shared among its processes, so P=2 on 2 cores
+    does not oversubscribe them."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    return int(given) if given.isdigit() and int(given) > 0 else max(1, (os.cpu_count() or 1) // local_procs)
 
 
 def make_trainer(spec: RunSpec, ctx: pg.DistContext, run_dir: str, local_procs: int,
