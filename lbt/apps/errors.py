@@ -3,6 +3,7 @@ and how it ends when told to stop (SIGTERM, SIGINT): one line and the signal's e
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
@@ -16,12 +17,17 @@ def fail(message: str) -> NoReturn:
 
 def stopped(signum: int, resume: str = "") -> NoReturn:
     """A command told to stop, at any moment (before its run started too): 128 + the signal's number."""
+    line, code = _stop_line(signum, resume)
+    print(line, file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def _stop_line(signum: int, resume: str) -> tuple[str, int]:
     try:
         name = signal.Signals(signum).name
     except ValueError:
         name, signum = "asked to stop", signal.SIGTERM
-    print(f"lbt: stopped ({name}); rerun the same command{resume} to continue", file=sys.stderr, flush=True)
-    sys.exit(128 + signum)
+    return f"lbt: stopped ({name}); rerun the same command{resume} to continue", 128 + signum
 
 
 def continue_with(config: Mapping[str, Any], run_dir: str) -> str:
@@ -33,6 +39,16 @@ def continue_with(config: Mapping[str, Any], run_dir: str) -> str:
 
 def exit_when_stopped() -> None:
     """Until a run takes the signals over (lbt/engine/worker.py), SIGTERM/SIGINT end the command as a stopped
-    run's: one line, 143/130, no traceback (nothing has started that a checkpoint could keep)."""
+    run's: one line, 143/130, no traceback (nothing has started that a checkpoint could keep).
+
+    The process ends at once (os._exit), not by raising SystemExit: raised in the middle of an import, a
+    library's broad `except` can swallow it and leave a half-imported numpy that fails later with a traceback."""
+
+    def end_now(signum: int, frame: Any) -> None:
+        line, code = _stop_line(signum, "")
+        sys.stdout.flush()
+        print(line, file=sys.stderr, flush=True)
+        os._exit(code)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stopped(signum))
+        signal.signal(sig, end_now)
