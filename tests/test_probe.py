@@ -142,3 +142,29 @@ def test_a_probe_folder_of_another_probe_or_a_diverged_base_is_refused(tmp_path)
     assert other.returncode == 2 and "holds another probe" in other.stderr and len(other.stderr.splitlines()) == 1
     wild = lbt_cli(["probe", *PROBE, "optim.lr=1e9", f"probe.dir={tmp_path / 'q'}"], cwd=tmp_path, timeout=300)
     assert wild.returncode == 2 and wild.stderr.strip().splitlines()[-1].startswith("lbt: error: the base run diverged")
+
+
+# -- bench/probe_rules.py's pure parts ------------------------------------------------------------------
+def _probe_json(helds: list[int], shortfalls: list[dict[str, float]]) -> dict:
+    checkpoints = [{"samples": 1000 * (i + 1), "local_critical": {"held": held}, "shortfalls": {"1": 0.0, **falls}}
+                   for i, (held, falls) in enumerate(zip(helds, shortfalls, strict=True))]
+    return {"checkpoints": checkpoints}
+
+
+def test_probe_rules_pairs_the_rules_branch_by_branch(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "bench"))
+    import probe_rules
+
+    # sqrt holds the larger batch at one checkpoint of two, linear at none: sqrt, whatever the shortfalls.
+    sqrt = _probe_json([256, 512], [{"2": 0.5, "4": 2.0}, {"2": 0.1, "4": 0.3, "8": 3.0}])
+    linear = _probe_json([128, 512], [{"2": 1.5, "4": 4.0}, {"2": -0.4, "4": 0.2, "8": 0.5}])
+    assert probe_rules.better_rule({"linear": linear, "sqrt": sqrt}) == "sqrt"
+    # The same held batches: the smaller mean shortfall over the branches both ran decides (8x is sqrt's alone).
+    tie = _probe_json([256, 512], [{"2": 0.4, "4": 2.0}, {"2": 0.1, "4": 0.3}])
+    assert probe_rules.better_rule({"sqrt": sqrt, "tie": tie}) == "tie"
+    assert probe_rules.better_rule({"tie": tie, "sqrt": sqrt}) == "tie"
+    rows = probe_rules.table({"sqrt": sqrt, "linear": linear})
+    assert rows[0] == ("| samples seen | 2x sqrt | 2x linear | 4x sqrt | 4x linear | 8x sqrt | 8x linear | held sqrt "
+                       "| held linear |")
+    assert rows[2] == "| 1,000 | +0.50 | +1.50 | +2.00 | +4.00 | - | - | 256 | 128 |"
+    assert rows[3] == "| 2,000 | +0.10 | -0.40 | +0.30 | +0.20 | +3.00 | +0.50 | 512 | 512 |"
