@@ -13,7 +13,7 @@ out, 10,000 test). Reported per recipe and batch:
   with `--seeds` fresh seeds, scored once on test; the gap to the tuned base batch.
 
     python bench/fair.py                                  # cnn1d: every recipe, 5 trials x 3 studies
-    python bench/fair.py --workload transformer1d         # adamw_sqrt (the reference), muon, schedulefree, wsd_adamw
+    python bench/fair.py --workload transformer1d   # adamw_sqrt (the reference), muon, soap, schedulefree, wsd_adamw
     python bench/fair.py --recipes baseline,muon --world-sizes 16,64,128 --trials 3 --studies 2   # a smaller one
 
 The base recipe (the first of --recipes) also runs at world sizes 1 and 4 (global batch 64, the base every
@@ -35,9 +35,10 @@ from pathlib import Path
 
 WORKLOADS = {
     # recipes (the first is the base every gap is measured against), world sizes of every recipe, overrides
-    "cnn1d": (["baseline", "goyal2017", "lars", "lamb", "nado2021_nesterov", "muon", "schedulefree", "wsd_adamw"],
-              [16, 32, 64, 128], ["model=cnn1d"]),
-    "transformer1d": (["adamw_sqrt", "muon", "schedulefree", "wsd_adamw"], [4, 16, 32, 64], ["model=transformer1d"]),
+    "cnn1d": (["baseline", "goyal2017", "lars", "lamb", "nado2021_nesterov", "muon", "soap", "schedulefree",
+               "wsd_adamw"], [16, 32, 64, 128], ["model=cnn1d"]),
+    "transformer1d": (["adamw_sqrt", "muon", "soap", "schedulefree", "wsd_adamw"], [4, 16, 32, 64],
+                      ["model=transformer1d"]),
 }
 BASE_ONLY = [1, 4]  # the base recipe's extra world sizes: the reference batch (64), and one more fitted point
 
