@@ -41,7 +41,8 @@ def probe(recipe: str, rule: str, folder: Path, overrides: list[str]) -> dict:
 
 def table(results: dict[str, dict]) -> list[str]:
     """Markdown: per checkpoint and factor, each rule's shortfall (points below k=1; "-": not run, the
-    checkpoint stopped after two failed factors), then each rule's held batch."""
+    checkpoint stopped after two failed factors; "diverged": the branch's loss passed 3x its start), then
+    each rule's held batch."""
     rules = list(results)
     first = next(iter(results.values()))
     factors = sorted({int(k) for r in results.values() for c in r["checkpoints"] for k in c["shortfalls"]} - {1})
@@ -52,8 +53,10 @@ def table(results: dict[str, dict]) -> list[str]:
         cells = []
         for k in factors:
             for rule in rules:
-                shortfall = results[rule]["checkpoints"][i]["shortfalls"].get(str(k))
-                cells.append("-" if shortfall is None else f"{shortfall:+.2f}")
+                shortfalls = results[rule]["checkpoints"][i]["shortfalls"]
+                shortfall = shortfalls.get(str(k))
+                shown = "diverged" if shortfall is None else f"{shortfall:+.2f}"
+                cells.append(shown if str(k) in shortfalls else "-")
         held = [f"{results[rule]['checkpoints'][i]['local_critical']['held']:,}" for rule in rules]
         lines.append(f"| {checkpoint['samples']:,} | {' | '.join(cells)} | {' | '.join(held)} |")
     return lines
@@ -61,13 +64,13 @@ def table(results: dict[str, dict]) -> list[str]:
 
 def better_rule(results: dict[str, dict]) -> str:
     """The rule with larger held batches at more checkpoints; a tie: the smaller mean shortfall over the
-    (checkpoint, factor) branches every rule ran."""
+    (checkpoint, factor) branches every rule ran to the end (a diverged branch already failed its factor)."""
     rules = list(results)
     count = len(next(iter(results.values()))["checkpoints"])
     held = {rule: [results[rule]["checkpoints"][i]["local_critical"]["held"] for i in range(count)] for rule in rules}
     wins = {rule: sum(held[rule][i] == max(held[r][i] for r in rules) for i in range(count)) for rule in rules}
     common = [(i, k) for i in range(count) for k in results[rules[0]]["checkpoints"][i]["shortfalls"]
-              if k != "1" and all(k in results[r]["checkpoints"][i]["shortfalls"] for r in rules)]
+              if k != "1" and all(results[r]["checkpoints"][i]["shortfalls"].get(k) is not None for r in rules)]
     mean = {rule: statistics.fmean(results[rule]["checkpoints"][i]["shortfalls"][k] for i, k in common)
             if common else 0.0 for rule in rules}
     return min(rules, key=lambda rule: (-wins[rule], mean[rule]))

@@ -157,14 +157,15 @@ def test_probe_rules_pairs_the_rules_branch_by_branch(monkeypatch):
 
     # sqrt holds the larger batch at one checkpoint of two, linear at none: sqrt, whatever the shortfalls.
     sqrt = _probe_json([256, 512], [{"2": 0.5, "4": 2.0}, {"2": 0.1, "4": 0.3, "8": 3.0}])
-    linear = _probe_json([128, 512], [{"2": 1.5, "4": 4.0}, {"2": -0.4, "4": 0.2, "8": 0.5}])
+    linear = _probe_json([128, 512], [{"2": 1.5, "4": 4.0, "8": None}, {"2": -0.4, "4": 0.2, "8": 0.5}])
     assert probe_rules.better_rule({"linear": linear, "sqrt": sqrt}) == "sqrt"
     # The same held batches: the smaller mean shortfall over the branches both ran decides (8x is sqrt's alone).
-    tie = _probe_json([256, 512], [{"2": 0.4, "4": 2.0}, {"2": 0.1, "4": 0.3}])
+    # A diverged branch (None) is left out of the mean, as is one only some rules ran.
+    tie = _probe_json([256, 512], [{"2": 0.4, "4": 2.0, "8": None}, {"2": 0.1, "4": 0.3}])
     assert probe_rules.better_rule({"sqrt": sqrt, "tie": tie}) == "tie"
     assert probe_rules.better_rule({"tie": tie, "sqrt": sqrt}) == "tie"
     rows = probe_rules.table({"sqrt": sqrt, "linear": linear})
     assert rows[0] == ("| samples seen | 2x sqrt | 2x linear | 4x sqrt | 4x linear | 8x sqrt | 8x linear | held sqrt "
                        "| held linear |")
-    assert rows[2] == "| 1,000 | +0.50 | +1.50 | +2.00 | +4.00 | - | - | 256 | 128 |"
+    assert rows[2] == "| 1,000 | +0.50 | +1.50 | +2.00 | +4.00 | - | diverged | 256 | 128 |"
     assert rows[3] == "| 2,000 | +0.10 | -0.40 | +0.30 | +0.20 | +3.00 | +0.50 | 512 | 512 |"
