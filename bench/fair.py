@@ -16,9 +16,11 @@ out, 10,000 test). Reported per recipe and batch:
     python bench/fair.py --workload transformer1d   # adamw_sqrt (the reference), muon, soap, schedulefree, wsd_adamw
     python bench/fair.py --recipes baseline,muon --world-sizes 16,64,128 --trials 3 --studies 2   # a smaller one
 
-The base recipe (the first of --recipes) also runs at world sizes 1 and 4 (global batch 64, the base every
-gap is measured against, and 256). Trials run in `--procs` processes (tune.workers, one thread each) sharing
-one SQLite storage in --dir; interrupted, the same command continues. The full protocol is long (hours on
+The base recipe (the first of --recipes) also runs at world sizes 1 and 4 (global batch 64 and 256). Gaps and
+the target are measured against the tuned base batch, 64: the best recipe there on val (the base recipe's
+unless others also ran at 1, as a later command with `--world-sizes 1,4` adds them). Trials run in
+`--procs` processes (tune.workers, one thread each) sharing one SQLite storage in --dir; interrupted, the
+same command continues. The full protocol is long (hours on
 2 cores; tune.log times every trial): run it on a quiet machine.
 The last lines: `critical_batch_<recipe>=<samples>` per recipe, then `best_gap_64x=<points> best_gap_128x=<points>`:
 test points the best recipe (chosen on val) loses against the tuned base batch (positive = below).
@@ -34,7 +36,7 @@ import time
 from pathlib import Path
 
 WORKLOADS = {
-    # recipes (the first is the base every gap is measured against), world sizes of every recipe, overrides
+    # recipes (the first is the base, also run at BASE_ONLY), world sizes of every recipe, overrides
     "cnn1d": (["baseline", "goyal2017", "lars", "lamb", "nado2021_nesterov", "muon", "soap", "schedulefree",
                "wsd_adamw"], [16, 32, 64, 128], ["model=cnn1d"]),
     "transformer1d": (["adamw_sqrt", "muon", "soap", "schedulefree", "wsd_adamw"], [4, 16, 32, 64],
