@@ -20,8 +20,8 @@ The base recipe (the first of --recipes) also runs at world sizes 1 and 4 (globa
 the target are measured against the tuned base batch, 64: the best recipe there on val (the base recipe's
 unless others also ran at 1, as a later command with `--world-sizes 1,4` adds them). Trials run in
 `--procs` processes (tune.workers, one thread each) sharing one SQLite storage in --dir; interrupted, the
-same command continues. The full protocol is long (hours on
-2 cores; tune.log times every trial): run it on a quiet machine.
+same command continues. The full protocol is long (hours on 2 cores; tune.log times every trial): run it
+on a quiet machine.
 The last lines: `critical_batch_<recipe>=<samples>` per recipe, then `best_gap_64x=<points> best_gap_128x=<points>`:
 test points the best recipe (chosen on val) loses against the tuned base batch (positive = below).
 """
