@@ -35,6 +35,24 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
         raise
 
 
+@contextmanager
+def waiting_lock(lock_file: str | Path, waiting: str | None = None) -> Iterator[None]:
+    """Hold an OS file lock (flock) on `lock_file` while the block runs, waiting for it if another process
+    holds it; `waiting` is printed to stderr first when it does. The kernel drops the lock however its holder
+    ends, so a dead holder never blocks anyone."""
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting:
+                print(waiting, file=sys.stderr, flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 class FolderInUse(ConfigError):
     """Another live process holds the folder's lock; the message names it."""
 

@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 from hypothesis import settings
 
@@ -95,11 +94,3 @@ def lbt_cli(args: list[str], cwd: Path, timeout: float = 120, **kwargs) -> subpr
         [sys.executable, "-m", "lbt", *args], cwd=cwd, env=env, capture_output=True, text=True,
         timeout=timeout, **kwargs,
     )
-
-
-@pytest.fixture
-def data_dir(tmp_path_factory, monkeypatch):
-    """Keep MNIST-1D caches of tests out of the user's cache."""
-    path = tmp_path_factory.getbasetemp() / "lbt-data"
-    monkeypatch.setenv("LBT_DATA_DIR", str(path))
-    return path

@@ -5,6 +5,9 @@ from __future__ import annotations
 import hashlib
 import pickle
 import random
+import shutil
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -24,6 +27,7 @@ from lbt.data import (
 )
 from lbt.data.cifar import CIFAR10_MEAN, CIFAR10_STD
 from lbt.errors import ConfigError
+from lbt.paths import waiting_lock
 
 # --- split_validation ------------------------------------------------------
 
@@ -112,6 +116,25 @@ def test_mnist1d_shapes_cache_and_global_rng(tmp_path, capsys, monkeypatch):
     assert torch.equal(again.train.x, splits.train.x) and torch.equal(again.test.y, splits.test.y)
     assert capsys.readouterr().err == ""
     assert [p.name for p in tmp_path.iterdir()] == [cached.name]  # no temporary file left behind
+
+
+def test_mnist1d_a_cache_another_process_is_generating_is_waited_for_not_generated_twice(tmp_path, capfd):
+    build_mnist1d(num_samples=100, data_dir=str(tmp_path / "done"), progress=False)
+    (made,) = (tmp_path / "done").glob("mnist1d_100_*.npz")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    waiter = threading.Thread(target=build_mnist1d, kwargs={"num_samples": 100, "data_dir": str(mine)})
+    with waiting_lock(mine / f"{made.name}.lock"):  # another process is generating this cache
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while "waiting for another process generating MNIST-1D" not in capfd.readouterr().err:
+            assert time.monotonic() < deadline and waiter.is_alive()
+            time.sleep(0.01)
+        shutil.copy(made, mine / made.name)  # ... and publishes it
+        inode = (mine / made.name).stat().st_ino
+    waiter.join(timeout=30)
+    assert not waiter.is_alive() and (mine / made.name).stat().st_ino == inode  # read, not generated again
+    assert "generating MNIST-1D (100" not in capfd.readouterr().err
 
 
 def test_mnist1d_cache_key_follows_arguments(tmp_path):

@@ -20,7 +20,8 @@ def own_model_block() -> str:
 
 
 @pytest.mark.slow
-def test_the_own_model_page_works_as_written(tmp_path, data_dir):
+def test_the_own_model_page_works_as_written(tmp_path):
+    # MNIST-1D comes from the cache the rest of the suite fills (~/.cache/lbt/data): generating it is ~30 s.
     block = own_model_block()
     # `lbt` is the command of this interpreter's environment; the block itself runs unchanged.
     script = f'set -euo pipefail\nlbt() {{ "{sys.executable}" -m lbt "$@"; }}\n{block}'

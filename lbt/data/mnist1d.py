@@ -14,7 +14,7 @@ import torch
 
 from lbt.data.base import DataShape, DataSplits, InMemoryDataset, split_validation, train_size
 from lbt.errors import ConfigError
-from lbt.paths import atomic_write
+from lbt.paths import atomic_write, waiting_lock
 
 
 def build_mnist1d(
@@ -41,13 +41,7 @@ def build_mnist1d(
     path = _cache_path(data_dir, num_samples=int(num_samples), train_split=float(train_split), seed=int(seed),
                        **overrides)
     if not path.exists():
-        if progress:
-            print(f"lbt: generating MNIST-1D ({num_samples} samples) into {path}, once ...", file=sys.stderr,
-                  flush=True)
-        arrays = _generate(num_samples, train_split, seed, overrides)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Several processes (the ranks of one job) may generate at once: each publishes a whole file.
-        atomic_write(path, lambda f: np.savez(f, **arrays))
+        _generate_once(path, num_samples, train_split, seed, overrides, progress)
     with np.load(path) as arrays:
         train = InMemoryDataset(torch.from_numpy(arrays["x"]), torch.from_numpy(arrays["y"]))
         test = InMemoryDataset(torch.from_numpy(arrays["x_test"]), torch.from_numpy(arrays["y_test"]))
@@ -66,6 +60,25 @@ def _cache_path(data_dir: str, **args) -> Path:
     key = json.dumps(args, sort_keys=True, default=list)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return Path(data_dir).expanduser() / f"mnist1d_{args['num_samples']}_{digest}.npz"
+
+
+def _generate_once(path: Path, num_samples: int, train_split: float, seed: int, overrides: dict,
+                   progress: bool) -> None:
+    """Generate the cache file unless another process does: the ranks of a job and a study's parallel jobs
+    ask for it at once on a fresh machine, and each generating its own copy took ~30 s of CPU per process."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    waiting = f"lbt: waiting for another process generating MNIST-1D into {path} ..." if progress else None
+    lock = path.with_name(path.name + ".lock")
+    with waiting_lock(lock, waiting):
+        if path.exists():  # the other process published it while this one waited
+            return
+        if progress:
+            print(f"lbt: generating MNIST-1D ({num_samples} samples) into {path}, once ...", file=sys.stderr,
+                  flush=True)
+        arrays = _generate(num_samples, train_split, seed, overrides)
+        atomic_write(path, lambda f: np.savez(f, **arrays))  # a reader never sees a half-written file
+        # Safe to remove: every process checks for the file again once it holds a lock, whichever lock file.
+        lock.unlink(missing_ok=True)
 
 
 def _generate(num_samples: int, train_split: float, seed: int, overrides: dict) -> dict[str, np.ndarray]:

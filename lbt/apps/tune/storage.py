@@ -37,6 +37,7 @@ import optuna
 
 from lbt.apps.compose import one_line
 from lbt.errors import ConfigError
+from lbt.paths import waiting_lock
 
 ENV = "LBT_TUNE_STORAGE"
 GRACE = 3  # heartbeats a trial may miss before it counts as left by a dead worker
@@ -159,12 +160,8 @@ def claim_lock(folder: Path) -> Iterator[None]:
     """tune.dir's lock, held for a moment: while the storage is created, a trial is claimed, or the
     report is written. A flock: the kernel drops it when its holder dies, however it dies."""
     folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder / ".tune.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with waiting_lock(folder / ".tune.lock"):
         yield
-    finally:
-        os.close(fd)
 
 
 @contextlib.contextmanager
