@@ -52,6 +52,7 @@ def _accuracy_on_each_split(job_dir) -> dict[str, float]:
                 for split, d in (("val", data.val), ("test", data.test))}
 
 
+@pytest.mark.slow
 def test_no_val_named_number_holds_test_data(study):
     """Acceptance: val-named fields, columns and tags hold val numbers; test numbers are there, named test."""
     summary = json.loads((study / "summary.json").read_text())

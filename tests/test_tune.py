@@ -9,6 +9,7 @@ import optuna
 import pytest
 from conftest import compose_config, lbt_cli
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from test_cli_errors import run_main_io
 
 from lbt.apps import cli
 from lbt.apps.tune.command import tune
@@ -34,7 +35,7 @@ def trials_in(folder: Path) -> dict[str, list[tuple[int, str]]]:
 
 
 @pytest.mark.slow
-def test_tune_a_tiny_grid_then_the_same_command_runs_nothing_new(tmp_path):
+def test_tune_a_tiny_grid_then_the_same_command_runs_nothing_new(tmp_path, capfd):
     """The acceptance case: 2 recipes x 2 batches x 3 trials, finals with 2 seeds; then the same command."""
     folder = tmp_path / "tune"
     args = ["tune", *TINY, "recipe=baseline,goyal2017", "dist.world_size=1,4", "tune.trials=3", "tune.seeds=2",
@@ -79,10 +80,10 @@ def test_tune_a_tiny_grid_then_the_same_command_runs_nothing_new(tmp_path):
     finals = (folder / "final" / "report.md").read_text()
     assert "## baseline (+tune.final=tuned)" in finals and "## goyal2017 (+tune.final=default)" in finals
 
-    again = lbt_cli(args, cwd=tmp_path, timeout=300)
-    assert again.returncode == 0, again.stderr
+    code, out, err = run_main_io(args, capfd)  # in this process: one start less
+    assert code == 0, err
     assert trials_in(folder) == trials
-    assert "0 new trials, 0 new final runs" in again.stdout and "): val_acc" not in again.stdout
+    assert "0 new trials, 0 new final runs" in out and "): val_acc" not in out
 
     # Test points lost against the tuned smallest batch; the best recipe at a batch is chosen on val.
     gaps = summary["gaps"]
@@ -98,10 +99,10 @@ def test_tune_a_tiny_grid_then_the_same_command_runs_nothing_new(tmp_path):
     assert "Test accuracy lost against the tuned smallest batch" in report
 
     # One cell of the grid again: nothing new, and the report still covers every cell tuned in the folder.
-    one = lbt_cli([a for a in args if not a.startswith(("recipe=", "dist.world_size="))]
-                  + ["recipe=baseline", "dist.world_size=4"], cwd=tmp_path, timeout=300)
-    assert one.returncode == 0, one.stderr
-    assert "0 new trials, 0 new final runs" in one.stdout
+    code, out, err = run_main_io([a for a in args if not a.startswith(("recipe=", "dist.world_size="))]
+                                 + ["recipe=baseline", "dist.world_size=4"], capfd)
+    assert code == 0, err
+    assert "0 new trials, 0 new final runs" in out
     assert len(json.loads((folder / "tune_summary.json").read_text())["cells"]) == 4
 
 

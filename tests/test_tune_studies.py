@@ -73,6 +73,7 @@ def test_independent_studies_per_cell_then_steps_to_target_and_the_fitted_critic
     assert "0 new trials, 0 new final runs" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_the_steps_objective_minimises_steps_and_counts_a_missed_target_as_infinite(tmp_path):
     args = [*TINY, "recipe=baseline", "dist.world_size=1", "tune.trials=2", *ALGOPERF,
             "tune.objective=steps_to_target", f"tune.dir={tmp_path}"]
