@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import lbt_cli, train
+from conftest import train
 from test_cli_errors import run_main, run_main_io
 
 from lbt.apps.study_folder import StudyJob, StudyRecord, claim, expected_jobs, grid_jobs
@@ -48,8 +48,7 @@ def test_a_folder_holds_one_study(tmp_path):
         claim(tmp_path / "sweep", mine)
 
 
-@pytest.mark.slow
-def test_a_run_folder_belongs_to_one_run(tmp_path):
+def test_a_run_folder_belongs_to_one_run(tmp_path, capfd):
     run_dir = tmp_path / "run"
     tiny = ["model=mlp", "trainer.epochs=1"]
     first = train(run_dir, tiny)
@@ -61,9 +60,9 @@ def test_a_run_folder_belongs_to_one_run(tmp_path):
     # Resuming a finished run trains nothing and says so.
     assert train(run_dir, [*tiny, "trainer.resume=auto"])["steps"] == first["steps"]
     assert (run_dir / "result.json").read_bytes() == before
-    refused = lbt_cli(["train", "data=synthetic", *tiny, "dist.world_size=4", f"hydra.run.dir={run_dir}"], tmp_path)
-    assert refused.returncode == 2 and refused.stderr.count("lbt: error:") == 1, refused.stderr
-    assert "another run's result" in refused.stderr and (run_dir / "result.json").read_bytes() == before
+    code, err = run_main(["train", "data=synthetic", *tiny, "dist.world_size=4", f"hydra.run.dir={run_dir}"], capfd)
+    assert code == 2 and err.count("lbt: error:") == 1, err
+    assert "another run's result" in err and (run_dir / "result.json").read_bytes() == before
 
 
 def test_a_loss_far_above_its_start_is_divergence_and_stops_the_run(tmp_path):
