@@ -57,9 +57,7 @@ def main(argv: list[str] | None = None) -> None:
         print(USAGE, file=sys.stderr)
         fail(f"unknown command {command!r}")
     module, function = COMMANDS[command]
-    code = getattr(import_module(module), function)(args)
-    if command == "plan":
-        sys.exit(code)
+    code = getattr(import_module(module), function)(args)  # `lbt plan` returns its exit code, the others None
     if command == "train":
         from lbt.parallel import process_group as pg
 
@@ -67,6 +65,8 @@ def main(argv: list[str] | None = None) -> None:
             from lbt.engine.worker import exit_worker
 
             exit_worker()
+    if code is not None:
+        sys.exit(code)
 
 
 if __name__ == "__main__":
