@@ -5,10 +5,10 @@ bitwise from its sharded checkpoint, and resumes on another number of processes.
 import json
 import os
 import shutil
-import socket
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import FAST, compose_config, final_params, interrupted, relative_diff, train
 from test_cli_errors import run_main
@@ -79,35 +79,26 @@ def test_sharding_settings_it_cannot_run_are_one_line(tmp_path, capsys):
         assert code == 2 and err.count("\n") == 1 and expected in err, err
 
 
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def _jobs_on_ranks(rank: int, procs: int, ports: list[int], jobs: list) -> None:
-    """Each rank of one spawned group runs the jobs one after another, each in a process group of its own
-    (torchrun's environment): one process start serves several runs. ("copy", src, dst) is done by rank 0."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(procs), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(procs),
-                      MASTER_ADDR="127.0.0.1")
+    """Each rank of one spawned group runs the jobs one after another, each in a process group of its own,
+    met through its store: one process start serves several runs. ("copy", src, dst) is done by rank 0."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(procs), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(procs))
     for port, job in zip(ports, jobs):
         if job[0] == "copy":
             if rank == 0:
                 shutil.copytree(job[1], job[2], ignore=shutil.ignore_patterns("result.json", "final_model.pt"))
             continue
         run_dir, overrides = job
-        os.environ["MASTER_PORT"] = str(port)
         config, recipe = compose_config(FAST + overrides)
-        train_process(rank, None, make_spec(config, recipe), str(run_dir), rank, procs)
+        train_process(rank, port, make_spec(config, recipe), str(run_dir), rank, procs)
     exit_worker()  # as lbt's own workers end: the interpreter's teardown of gloo objects sometimes aborts
 
 
 def spawn_jobs(procs: int, jobs: list) -> None:
-    mp.spawn(_jobs_on_ranks, args=(procs, free_ports(len(jobs)), jobs), nprocs=procs)
+    # One store per job, served by this process on a port the OS chose, as lbt's launcher does: ports found
+    # free and released up front were taken by other processes before their job ran (EADDRINUSE).
+    stores = [dist.TCPStore("127.0.0.1", 0, procs + 1, is_master=True, wait_for_workers=False) for _ in jobs]
+    mp.spawn(_jobs_on_ranks, args=(procs, [store.port for store in stores], jobs), nprocs=procs)
 
 
 @pytest.fixture(scope="module")
