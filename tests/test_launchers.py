@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import FAST, final_params, lbt_cli, relative_diff
 
-from lbt.parallel.launcher import _cause
+from lbt.parallel.launcher import _cause, launch_local
 
 RUN = FAST + ["model=mlp", "data.num_train=640", "trainer.epochs=2", "trainer.global_batch=64"]
 
@@ -93,7 +93,9 @@ def test_dead_worker_stops_the_job_and_names_its_rank(tmp_path):
     while "epoch 1/" not in line:
         line = job.stdout.readline()
         assert line or job.poll() is None, job.stderr.read()
-    workers = [p for p in _children(job.pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+    # The launcher's workers are forks of its forkserver (a child of the launcher).
+    servers = [p for p in _children(job.pid) if "forkserver" in Path(f"/proc/{p}/cmdline").read_text()]
+    workers = [worker for server in servers for worker in _children(server)]
     assert len(workers) == 2
     rank1 = sorted(workers, key=_start_time)[1]
     killed_at = time.monotonic()
@@ -103,6 +105,19 @@ def test_dead_worker_stops_the_job_and_names_its_rank(tmp_path):
     assert job.returncode != 0
     assert "rank 1" in err and "SIGKILL" in err
     assert "Traceback" not in err
+
+
+def _say_the_word(rank: int, store_port: int) -> None:
+    print(f"rank {rank}: {os.environ.get('LBT_TEST_WORD')}", flush=True)
+
+
+def test_workers_get_the_launchers_environment_and_output_as_they_are_at_each_launch(capfd, monkeypatch):
+    """Workers are forks of a forkserver the first launch starts: the environment and the output
+    descriptors it started with are not the launcher's at a later launch (another job of a study)."""
+    for word in ("first", "second"):
+        monkeypatch.setenv("LBT_TEST_WORD", word)
+        launch_local(_say_the_word, (), 2)
+        assert sorted(capfd.readouterr().out.splitlines()) == [f"rank 0: {word}", f"rank 1: {word}"]
 
 
 @pytest.mark.parametrize("codes, failed, cause", [

@@ -1,7 +1,9 @@
 """lbt's local launcher: start a job's processes, watch them, and name the one that brought the job down.
 
-Processes are started by `torch.multiprocessing` (spawn) and meet through a TCPStore the launcher
-owns on 127.0.0.1, on a port the OS picks. Restarts and the run itself are the engine's
+Processes are started by `torch.multiprocessing` from a forkserver (one per launching process, which
+imports torch and lbt's engine once, so a job's workers and its restarts do not each import them again;
+it never touches CUDA, so a forked worker can) and meet through a TCPStore the launcher owns on
+127.0.0.1, on a port the OS picks. Restarts and the run itself are the engine's
 (lbt/engine/worker.py); this module starts, watches and stops processes, checks the machine has
 room for them (`check_resources`), and carries a worker's failure to the parent (`report_failure`).
 
@@ -21,6 +23,7 @@ import sysconfig
 import tempfile
 import time
 import traceback
+from multiprocessing import reduction
 from multiprocessing.connection import wait as wait_for_sentinels
 from pathlib import Path
 from typing import Callable
@@ -191,9 +194,27 @@ def _exit_reason(code: int) -> str:
 
 
 # -- starting and watching ------------------------------------------------------------------------
-def _entry(rank: int, fn: Callable, *args) -> None:
-    """A spawned worker's first code: it started with SIGTERM/SIGINT blocked (so a stop cannot kill it
-    half-started); from here a stop is recorded (`signal_received`) until the worker installs its own."""
+class _Stdio:
+    """The launcher's stdout and stderr as they are now, sent to a worker: a forkserver's child would
+    write to the server's, fixed when the server started (multiprocessing passes the descriptors)."""
+
+    def __reduce__(self):
+        return tuple, ((reduction.DupFd(1), reduction.DupFd(2)),)
+
+
+def _entry(rank: int, environ: dict[str, str], stdio: tuple, fn: Callable, *args) -> None:
+    """A started worker's first code: it started with SIGTERM/SIGINT blocked (so a stop cannot kill it
+    half-started); from here a stop is recorded (`signal_received`) until the worker installs its own.
+
+    It takes the launcher's environment and output as they are now, not the forkserver's from when the
+    server started (multiprocessing already sends the working folder and sys.path).
+    """
+    os.environ.clear()
+    os.environ.update(environ)
+    for target, received in zip((1, 2), stdio):
+        fd = received.detach()
+        os.dup2(fd, target)
+        os.close(fd)
     for sig in STOP_SIGNALS:
         signal.signal(sig, lambda signum, frame: _received.append(signum))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
@@ -249,15 +270,19 @@ def launch_local(fn: Callable, args: tuple, procs: int, on_signal: Callable[[int
 
 
 def _start(fn: Callable, args: tuple, procs: int, errors: str) -> list:
-    """The processes, spawned with the stop signals blocked (they inherit the mask; `_entry` unblocks them)
+    """The processes, started with the stop signals blocked (they inherit the mask; `_entry` unblocks them)
     and the folder for their failure reports in their environment."""
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    os.environ[ERRORS] = errors
+    # The first job of this process starts the forkserver, which imports the worker's modules once;
+    # each worker (and each restart) is then a fork of it, not a new interpreter importing torch again.
+    # torch._dynamo is imported by the first optimizer a worker builds.
+    mp.get_context("forkserver").set_forkserver_preload([fn.__module__, "torch._dynamo"])
     try:
-        context = mp.start_processes(_entry, args=(fn, *args), nprocs=procs, join=False, start_method="spawn")
+        environ = {**os.environ, ERRORS: errors}
+        context = mp.start_processes(_entry, args=(environ, _Stdio(), fn, *args), nprocs=procs, join=False,
+                                     start_method="forkserver")
         return context.processes
     finally:
-        del os.environ[ERRORS]
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
