@@ -111,6 +111,7 @@ def _say_the_word(rank: int, store_port: int) -> None:
     print(f"rank {rank}: {os.environ.get('LBT_TEST_WORD')}", flush=True)
 
 
+@pytest.mark.slow
 def test_workers_get_the_launchers_environment_and_output_as_they_are_at_each_launch(capfd, monkeypatch):
     """Workers are forks of a forkserver the first launch starts: the environment and the output
     descriptors it started with are not the launcher's at a later launch (another job of a study)."""
