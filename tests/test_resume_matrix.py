@@ -122,6 +122,25 @@ def test_stopped_by_sigterm_mid_epoch_then_resumed_equals_straight_run(case, tmp
         assert resumed[key] == straight[key], key
 
 
+@pytest.mark.slow
+def test_a_stop_at_an_epochs_end_after_its_checkpoint_stops_cleanly_and_resumes_exactly(tmp_path, capfd):
+    """Two processes, a checkpoint every epoch, a stop read at the epoch's last step: the epoch's checkpoint
+    and the stop's are written one after the other at the same step. Rank 1 must not write the second
+    while rank 0 still publishes the first and clears unfinished folders (it lost its file: ENOENT)."""
+    args = RUN + ["dist.procs=2", "trainer.checkpoint_every=1"]
+    straight = train(tmp_path / "straight", args)
+    stopped = train(tmp_path / "run", args + sigterm_at(11))  # during step 12, the last of epoch 1
+    out = capfd.readouterr().out
+    assert stopped["stopped"] and "stopped at step 12 (epoch 2, step 0 of it)" in out
+    resumed = train(tmp_path / "run", args + sigterm_at(11) + ["trainer.resume=auto"])
+    assert "resumed from step 12 " in capfd.readouterr().out
+    a = torch.load(tmp_path / "straight" / "final_model.pt", weights_only=True)
+    b = torch.load(tmp_path / "run" / "final_model.pt", weights_only=True)
+    assert not [k for k in a if not torch.equal(a[k], b[k])], "tensors differ after resume"
+    for key in COMPARED:
+        assert resumed[key] == straight[key], key
+
+
 def test_powersgd_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
     """Each rank's error feedback, warm-start P/Q, step count and numpy RNG: saved as copies, loaded back."""
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState

@@ -92,6 +92,10 @@ class Checkpointer:
             with self._writing(partial):
                 self._publish(partial, step)
             self._prune()
+        if self.procs > 1:
+            # Published and pruned before any rank goes on: a checkpoint saved right after (a stop read at
+            # an epoch's end, after the epoch's) would otherwise be written into a folder rank 0 clears.
+            dist.barrier()
 
     def _publish(self, partial: Path, step: int) -> None:
         """Manifest, then one rename: the step folder appears complete or not at all."""
