@@ -121,6 +121,34 @@ def test_workers_get_the_launchers_environment_and_output_as_they_are_at_each_la
         assert sorted(capfd.readouterr().out.splitlines()) == [f"rank 0: {word}", f"rank 1: {word}"]
 
 
+def _wait_for_a_stop(rank: int, store_port: int) -> None:
+    from lbt.parallel.launcher import signal_received
+
+    deadline = time.monotonic() + 60
+    while signal_received() is None:
+        if time.monotonic() > deadline:
+            sys.exit(1)
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_a_stop_while_the_workers_start_reaches_them(monkeypatch):
+    """SIGTERM to the launcher before its workers are listed (the first start waits seconds for the
+    forkserver's imports) is sent to them once they are: they stop, the job returns the signal."""
+    import lbt.parallel.launcher as launcher
+
+    start = launcher._start
+
+    def told_while_starting(*args):
+        os.kill(os.getpid(), signal.SIGTERM)  # handled by the launcher: nothing is started yet
+        return start(*args)
+
+    monkeypatch.setattr(launcher, "_start", told_while_starting)
+    began = time.monotonic()
+    assert launch_local(_wait_for_a_stop, (), 2) == signal.SIGTERM
+    assert time.monotonic() - began < 30  # not the workers' 60 s wait
+
+
 @pytest.mark.parametrize("codes, failed, cause", [
     # rank 1 SIGKILLed; rank 0 aborted in gloo in the same instant and was seen first
     ({0: -signal.SIGABRT, 1: -signal.SIGKILL}, [0, 1], 1),

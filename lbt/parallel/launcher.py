@@ -203,8 +203,9 @@ class _Stdio:
 
 
 def _entry(rank: int, environ: dict[str, str], stdio: tuple, fn: Callable, *args) -> None:
-    """A started worker's first code: it started with SIGTERM/SIGINT blocked (so a stop cannot kill it
-    half-started); from here a stop is recorded (`signal_received`) until the worker installs its own.
+    """A started worker's first code: from here a stop (SIGTERM/SIGINT) is recorded (`signal_received`)
+    until the worker installs its own handlers; one that comes earlier ends the worker, which the launcher,
+    told to stop itself, takes as the stop it is.
 
     It takes the launcher's environment and output as they are now, not the forkserver's from when the
     server started (multiprocessing already sends the working folder and sys.path).
@@ -217,7 +218,6 @@ def _entry(rank: int, environ: dict[str, str], stdio: tuple, fn: Callable, *args
         os.close(fd)
     for sig in STOP_SIGNALS:
         signal.signal(sig, lambda signum, frame: _received.append(signum))
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     fn(rank, *args)
 
 
@@ -247,15 +247,15 @@ def launch_local(fn: Callable, args: tuple, procs: int, on_signal: Callable[[int
         if not stopped and on_signal is not None:
             on_signal(signum)
         stopped.append(signum)
-        for p in processes:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGTERM)
+        _terminate(processes)
 
     processes: list = []
     previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
     with tempfile.TemporaryDirectory(prefix="lbt-workers-") as errors:
         try:
             processes += _start(fn, (store.port, *args), procs, errors)
+            if stopped:  # told to stop while they started (the first start waits for the forkserver's imports)
+                _terminate(processes)
             failed = _watch(processes)
         finally:
             for sig, handler in previous.items():
@@ -269,21 +269,24 @@ def launch_local(fn: Callable, args: tuple, procs: int, on_signal: Callable[[int
     return stopped[0] if stopped else None
 
 
+def _terminate(processes: list) -> None:
+    """SIGTERM to every live worker: a stop (a worker killed by it before its first line is one too,
+    as the launcher was told to stop)."""
+    for p in processes:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGTERM)
+
+
 def _start(fn: Callable, args: tuple, procs: int, errors: str) -> list:
-    """The processes, started with the stop signals blocked (they inherit the mask; `_entry` unblocks them)
-    and the folder for their failure reports in their environment."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    """The processes, the folder for their failure reports in their environment."""
     # The first job of this process starts the forkserver, which imports the worker's modules once;
     # each worker (and each restart) is then a fork of it, not a new interpreter importing torch again.
     # torch._dynamo is imported by the first optimizer a worker builds.
     mp.get_context("forkserver").set_forkserver_preload([fn.__module__, "torch._dynamo"])
-    try:
-        environ = {**os.environ, ERRORS: errors}
-        context = mp.start_processes(_entry, args=(environ, _Stdio(), fn, *args), nprocs=procs, join=False,
-                                     start_method="forkserver")
-        return context.processes
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    environ = {**os.environ, ERRORS: errors}
+    context = mp.start_processes(_entry, args=(environ, _Stdio(), fn, *args), nprocs=procs, join=False,
+                                 start_method="forkserver")
+    return context.processes
 
 
 def _watch(processes: list) -> list[int]:
