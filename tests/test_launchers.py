@@ -121,7 +121,7 @@ def test_workers_get_the_launchers_environment_and_output_as_they_are_at_each_la
         assert sorted(capfd.readouterr().out.splitlines()) == [f"rank 0: {word}", f"rank 1: {word}"]
 
 
-def _wait_for_a_stop(rank: int, store_port: int) -> None:
+def _wait_for_a_stop(rank: int, store_port: int, folder: str) -> None:
     from lbt.parallel.launcher import signal_received
 
     deadline = time.monotonic() + 60
@@ -129,12 +129,13 @@ def _wait_for_a_stop(rank: int, store_port: int) -> None:
         if time.monotonic() > deadline:
             sys.exit(1)
         time.sleep(0.05)
+    (Path(folder) / f"told{rank}").touch()
 
 
 @pytest.mark.slow
-def test_a_stop_while_the_workers_start_reaches_them(monkeypatch):
-    """SIGTERM to the launcher before its workers are listed (the first start waits seconds for the
-    forkserver's imports) is sent to them once they are: they stop, the job returns the signal."""
+def test_a_stop_while_the_workers_start_reaches_them(monkeypatch, tmp_path):
+    """SIGTERM to the launcher before its workers exist (the first start waits seconds for the
+    forkserver's imports) reaches each of them as a stop, not as a kill: the job returns the signal."""
     import lbt.parallel.launcher as launcher
 
     start = launcher._start
@@ -145,8 +146,9 @@ def test_a_stop_while_the_workers_start_reaches_them(monkeypatch):
 
     monkeypatch.setattr(launcher, "_start", told_while_starting)
     began = time.monotonic()
-    assert launch_local(_wait_for_a_stop, (), 2) == signal.SIGTERM
+    assert launch_local(_wait_for_a_stop, (str(tmp_path),), 2) == signal.SIGTERM
     assert time.monotonic() - began < 30  # not the workers' 60 s wait
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["told0", "told1"]
 
 
 @pytest.mark.parametrize("codes, failed, cause", [

@@ -36,6 +36,8 @@ from lbt.parallel.process_group import HOST
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 ERRORS = "LBT_WORKER_ERRORS"  # the folder a spawned worker reports its failure into (set by launch_local)
+STOP_NOTE = "stop"  # in that folder: the signal the launcher was told to stop with
+STARTED = "started"  # in that folder, started<rank>: the worker takes a stop signal without dying of it
 # Set to 1 (the test suite does), the core and memory check passes, as dist.allow_oversubscribe=true does.
 OVERSUBSCRIBE = "LBT_ALLOW_OVERSUBSCRIBE"
 # Errors that a restart meets again: the disk, the permissions, the file system.
@@ -203,9 +205,8 @@ class _Stdio:
 
 
 def _entry(rank: int, environ: dict[str, str], stdio: tuple, fn: Callable, *args) -> None:
-    """A started worker's first code: from here a stop (SIGTERM/SIGINT) is recorded (`signal_received`)
-    until the worker installs its own handlers; one that comes earlier ends the worker, which the launcher,
-    told to stop itself, takes as the stop it is.
+    """A started worker's first code: from here a stop (SIGTERM/SIGINT, or one the launcher noted before
+    this worker was listed) is recorded (`signal_received`) until the worker installs its own handlers.
 
     It takes the launcher's environment and output as they are now, not the forkserver's from when the
     server started (multiprocessing already sends the working folder and sys.path).
@@ -218,6 +219,11 @@ def _entry(rank: int, environ: dict[str, str], stdio: tuple, fn: Callable, *args
         os.close(fd)
     for sig in STOP_SIGNALS:
         signal.signal(sig, lambda signum, frame: _received.append(signum))
+    folder = environ[ERRORS]
+    (Path(folder) / f"{STARTED}{rank}").touch()  # from now on the launcher sends a stop as a signal
+    told = _noted_stop(folder)  # a stop the launcher was told before
+    if told is not None:
+        _received.append(told)
     fn(rank, *args)
 
 
@@ -241,21 +247,23 @@ def launch_local(fn: Callable, args: tuple, procs: int, on_signal: Callable[[int
         # the spawned workers would try to restore and cannot ("cannot find context for 'loky'").
         mp.set_start_method("spawn", force=True)
     stopped: list[int] = []
-
-    def forward(signum, frame):
-        # Preemption reaches the launcher: the workers checkpoint and stop together.
-        if not stopped and on_signal is not None:
-            on_signal(signum)
-        stopped.append(signum)
-        _terminate(processes)
-
     processes: list = []
-    previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
     with tempfile.TemporaryDirectory(prefix="lbt-workers-") as errors:
+        def forward(signum, frame):
+            # Preemption reaches the launcher: the workers checkpoint and stop together. A worker not
+            # started yet reads the stop from the folder (`_entry`): the first start waits seconds for
+            # the forkserver's imports.
+            if not stopped and on_signal is not None:
+                on_signal(signum)
+            stopped.append(signum)
+            _note_stop(errors, signum)
+            _terminate(processes, errors)
+
+        previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
         try:
             processes += _start(fn, (store.port, *args), procs, errors)
-            if stopped:  # told to stop while they started (the first start waits for the forkserver's imports)
-                _terminate(processes)
+            if stopped:  # told while they started: the workers past their look at the note get the signal
+                _terminate(processes, errors)
             failed = _watch(processes)
         finally:
             for sig, handler in previous.items():
@@ -269,11 +277,25 @@ def launch_local(fn: Callable, args: tuple, procs: int, on_signal: Callable[[int
     return stopped[0] if stopped else None
 
 
-def _terminate(processes: list) -> None:
-    """SIGTERM to every live worker: a stop (a worker killed by it before its first line is one too,
-    as the launcher was told to stop)."""
-    for p in processes:
-        if p.is_alive():
+def _note_stop(folder: str, signum: int) -> None:
+    try:
+        (Path(folder) / STOP_NOTE).write_text(str(signum))
+    except OSError:
+        pass  # the workers started by now get the signal
+
+
+def _noted_stop(folder: str) -> int | None:
+    try:
+        return int((Path(folder) / STOP_NOTE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _terminate(processes: list, folder: str) -> None:
+    """SIGTERM to every live worker that can take it (`_entry` installed its handlers); the others read
+    the stop from the note, which is written first."""
+    for rank, p in enumerate(processes):
+        if p.is_alive() and (Path(folder) / f"{STARTED}{rank}").exists():
             os.kill(p.pid, signal.SIGTERM)
 
 
