@@ -93,9 +93,7 @@ def test_dead_worker_stops_the_job_and_names_its_rank(tmp_path):
     while "epoch 1/" not in line:
         line = job.stdout.readline()
         assert line or job.poll() is None, job.stderr.read()
-    # The launcher's workers are forks of its forkserver (a child of the launcher).
-    servers = [p for p in _children(job.pid) if "forkserver" in Path(f"/proc/{p}/cmdline").read_text()]
-    workers = [worker for server in servers for worker in _children(server)]
+    workers = [p for p in _children(job.pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
     assert len(workers) == 2
     rank1 = sorted(workers, key=_start_time)[1]
     killed_at = time.monotonic()
@@ -113,8 +111,8 @@ def _say_the_word(rank: int, store_port: int) -> None:
 
 @pytest.mark.slow
 def test_workers_get_the_launchers_environment_and_output_as_they_are_at_each_launch(capfd, monkeypatch):
-    """Workers are forks of a forkserver the first launch starts: the environment and the output
-    descriptors it started with are not the launcher's at a later launch (another job of a study)."""
+    """Each launch's workers see the launcher's environment and output as they are at that launch (a study's
+    later job sets other variables; a test captures the output)."""
     for word in ("first", "second"):
         monkeypatch.setenv("LBT_TEST_WORD", word)
         launch_local(_say_the_word, (), 2)
@@ -134,8 +132,8 @@ def _wait_for_a_stop(rank: int, store_port: int, folder: str) -> None:
 
 @pytest.mark.slow
 def test_a_stop_while_the_workers_start_reaches_them(monkeypatch, tmp_path):
-    """SIGTERM to the launcher before its workers exist (the first start waits seconds for the
-    forkserver's imports) reaches each of them as a stop, not as a kill: the job returns the signal."""
+    """SIGTERM to the launcher before its workers exist reaches each of them as a stop, not as a kill:
+    the job returns the signal."""
     import lbt.parallel.launcher as launcher
 
     start = launcher._start

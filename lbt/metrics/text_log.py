@@ -5,7 +5,7 @@ train.log: the run's text log in its folder, for runs nobody watches (background
 What a run says on the console (its resolved config, the start line, warnings and notes, the
 epoch lines and the closing line) also goes, timestamped, to `<run_dir>/train.log` through the
 `lbt.run` logger. lbt writes the file itself rather than relying on Hydra's job logging: the
-processes of lbt's local launcher are started from a forkserver, and Hydra configured logging only in their parent.
+processes of lbt's local launcher are spawned, and Hydra configured logging only in their parent.
 """
 
 from __future__ import annotations

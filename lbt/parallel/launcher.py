@@ -1,9 +1,7 @@
 """lbt's local launcher: start a job's processes, watch them, and name the one that brought the job down.
 
-Processes are started by `torch.multiprocessing` from a forkserver (one per launching process, which
-imports torch and lbt's engine once, so a job's workers and its restarts do not each import them again;
-it never touches CUDA, so a forked worker can) and meet through a TCPStore the launcher owns on
-127.0.0.1, on a port the OS picks. Restarts and the run itself are the engine's
+Processes are started by `torch.multiprocessing` (spawn) and meet through a TCPStore the launcher
+owns on 127.0.0.1, on a port the OS picks. Restarts and the run itself are the engine's
 (lbt/engine/worker.py); this module starts, watches and stops processes, checks the machine has
 room for them (`check_resources`), and carries a worker's failure to the parent (`report_failure`).
 
@@ -23,7 +21,6 @@ import sysconfig
 import tempfile
 import time
 import traceback
-from multiprocessing import reduction
 from multiprocessing.connection import wait as wait_for_sentinels
 from pathlib import Path
 from typing import Callable
@@ -196,30 +193,14 @@ def _exit_reason(code: int) -> str:
 
 
 # -- starting and watching ------------------------------------------------------------------------
-class _Stdio:
-    """The launcher's stdout and stderr as they are now, sent to a worker: a forkserver's child would
-    write to the server's, fixed when the server started (multiprocessing passes the descriptors)."""
-
-    def __reduce__(self):
-        return tuple, ((reduction.DupFd(1), reduction.DupFd(2)),)
-
-
-def _entry(rank: int, environ: dict[str, str], stdio: tuple, fn: Callable, *args) -> None:
-    """A started worker's first code: from here a stop (SIGTERM/SIGINT, or one the launcher noted before
-    this worker was listed) is recorded (`signal_received`) until the worker installs its own handlers.
-
-    It takes the launcher's environment and output as they are now, not the forkserver's from when the
-    server started (multiprocessing already sends the working folder and sys.path).
-    """
-    os.environ.clear()
-    os.environ.update(environ)
-    for target, received in zip((1, 2), stdio):
-        fd = received.detach()
-        os.dup2(fd, target)
-        os.close(fd)
+def _entry(rank: int, fn: Callable, *args) -> None:
+    """A spawned worker's first code: it started with SIGTERM/SIGINT blocked (so a stop cannot kill it
+    half-started); from here a stop (a signal, or one the launcher noted before this worker could take
+    it) is recorded (`signal_received`) until the worker installs its own handlers."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, lambda signum, frame: _received.append(signum))
-    folder = environ[ERRORS]
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    folder = os.environ[ERRORS]
     (Path(folder) / f"{STARTED}{rank}").touch()  # from now on the launcher sends a stop as a signal
     told = _noted_stop(folder)  # a stop the launcher was told before
     if told is not None:
@@ -250,9 +231,8 @@ def launch_local(fn: Callable, args: tuple, procs: int, on_signal: Callable[[int
     processes: list = []
     with tempfile.TemporaryDirectory(prefix="lbt-workers-") as errors:
         def forward(signum, frame):
-            # Preemption reaches the launcher: the workers checkpoint and stop together. A worker not
-            # started yet reads the stop from the folder (`_entry`): the first start waits seconds for
-            # the forkserver's imports.
+            # Preemption reaches the launcher: the workers checkpoint and stop together. A worker that
+            # cannot take the signal yet reads the stop from the folder (`_entry`).
             if not stopped and on_signal is not None:
                 on_signal(signum)
             stopped.append(signum)
@@ -300,15 +280,16 @@ def _terminate(processes: list, folder: str) -> None:
 
 
 def _start(fn: Callable, args: tuple, procs: int, errors: str) -> list:
-    """The processes, the folder for their failure reports in their environment."""
-    # The first job of this process starts the forkserver, which imports the worker's modules once;
-    # each worker (and each restart) is then a fork of it, not a new interpreter importing torch again.
-    # torch._dynamo is imported by the first optimizer a worker builds.
-    mp.get_context("forkserver").set_forkserver_preload([fn.__module__, "torch._dynamo"])
-    environ = {**os.environ, ERRORS: errors}
-    context = mp.start_processes(_entry, args=(environ, _Stdio(), fn, *args), nprocs=procs, join=False,
-                                 start_method="forkserver")
-    return context.processes
+    """The processes, spawned with the stop signals blocked (they inherit the mask; `_entry` unblocks them)
+    and the folder for their failure reports in their environment."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    os.environ[ERRORS] = errors
+    try:
+        context = mp.start_processes(_entry, args=(fn, *args), nprocs=procs, join=False, start_method="spawn")
+        return context.processes
+    finally:
+        del os.environ[ERRORS]
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def _watch(processes: list) -> list[int]:
