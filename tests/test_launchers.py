@@ -8,11 +8,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 from conftest import FAST, final_params, lbt_cli, relative_diff
 
 from lbt.parallel.launcher import _cause, launch_local
+from lbt.parallel.stop import forget_stop
 
 RUN = FAST + ["model=mlp", "data.num_train=640", "trainer.epochs=2", "trainer.global_batch=64"]
 
@@ -120,32 +122,55 @@ def test_workers_get_the_launchers_environment_and_output_as_they_are_at_each_la
 
 
 def _wait_for_a_stop(rank: int, store_port: int, folder: str) -> None:
-    from lbt.parallel.launcher import signal_received
+    from lbt.parallel.stop import stop_asked
 
     deadline = time.monotonic() + 60
-    while signal_received() is None:
+    while stop_asked() is None:
         if time.monotonic() > deadline:
             sys.exit(1)
         time.sleep(0.05)
     (Path(folder) / f"told{rank}").touch()
 
 
-@pytest.mark.slow
-def test_a_stop_while_the_workers_start_reaches_them(monkeypatch, tmp_path):
-    """SIGTERM to the launcher before its workers exist reaches each of them as a stop, not as a kill:
-    the job returns the signal."""
+def _launch_told(monkeypatch, folder: Path, tell: Callable[[list], None]) -> int | None:
+    """launch_local of two workers that wait for a stop, with `tell(processes)` run as their start returns."""
     import lbt.parallel.launcher as launcher
 
     start = launcher._start
 
-    def told_while_starting(*args):
-        os.kill(os.getpid(), signal.SIGTERM)  # handled by the launcher: nothing is started yet
-        return start(*args)
+    def started_and_told(*args):
+        processes = start(*args)
+        tell(processes)
+        return processes
 
-    monkeypatch.setattr(launcher, "_start", told_while_starting)
+    monkeypatch.setattr(launcher, "_start", started_and_told)
     began = time.monotonic()
-    assert launch_local(_wait_for_a_stop, (str(tmp_path),), 2) == signal.SIGTERM
-    assert time.monotonic() - began < 30  # not the workers' 60 s wait
+    try:
+        return launch_local(_wait_for_a_stop, (str(folder),), 2)
+    finally:
+        forget_stop()  # this process was told to stop: the next test's runs are not
+        assert time.monotonic() - began < 30  # not the workers' 60 s wait
+
+
+@pytest.mark.slow
+def test_a_stop_while_the_workers_start_reaches_them(monkeypatch, tmp_path):
+    """SIGTERM to the launcher before its workers run any code reaches each of them as a stop, not as a
+    kill: the job returns the signal."""
+    assert _launch_told(monkeypatch, tmp_path, lambda processes: os.kill(os.getpid(), signal.SIGTERM)) \
+        == signal.SIGTERM
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["told0", "told1"]
+
+
+@pytest.mark.slow
+def test_a_stop_to_every_process_while_the_workers_import_does_not_kill_them(monkeypatch, tmp_path):
+    """A scheduler's SIGTERM (or a terminal's Ctrl-C) to the launcher and to workers still importing torch:
+    the workers live on and stop as told."""
+    def everyone(processes):
+        for p in processes:
+            os.kill(p.pid, signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    assert _launch_told(monkeypatch, tmp_path, everyone) == signal.SIGINT
     assert sorted(p.name for p in tmp_path.iterdir()) == ["told0", "told1"]
 
 

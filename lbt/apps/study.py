@@ -22,9 +22,9 @@ from lbt.apps.report.cli import REPORT_FLAGS, report_options
 from lbt.apps.study_folder import STUDY_ENV, STUDY_PID, StudyJob, StudyRecord, claim, grid_jobs
 from lbt.apps.train import check_sweep, train_command
 from lbt.engine import make_spec
-from lbt.engine.stop import STOP_FILE, ask_stop, stop_asked
 from lbt.errors import ConfigError
 from lbt.metrics.text_log import CONSOLE
+from lbt.parallel.stop import STOP_FILE, ask_stop, stop_asked
 from lbt.paths import folder_lock
 
 STUDY_HELP = """usage: lbt study [overrides]
@@ -190,7 +190,7 @@ def launcher_name(launcher: dict) -> tuple[str, int]:
 
 @contextmanager
 def study_signals(sweep_dir: str, verbose: bool) -> Iterator[None]:
-    """While the study runs: SIGINT/SIGTERM ask every job to stop (lbt/engine/stop.py) instead of killing the
+    """While the study runs: SIGINT/SIGTERM ask every job to stop (lbt/parallel/stop.py) instead of killing the
     study; its jobs know their study and, unless -v, keep their output to their train.log."""
     folder = Path(sweep_dir).resolve()
     stop = folder / ".stop"

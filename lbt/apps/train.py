@@ -29,11 +29,11 @@ from lbt.apps.errors import continue_with, fail, stopped
 from lbt.apps.study_folder import STUDY_PID, job_line, study_of_job
 from lbt.engine import make_spec, run
 from lbt.engine.build import check_targets
-from lbt.engine.stop import stop_asked, stopped_by
 from lbt.engine.worker import check_run_folder
 from lbt.errors import ConfigError
 from lbt.parallel import process_group as pg
 from lbt.parallel.launcher import WorkerDied
+from lbt.parallel.stop import stop_asked, stopped_by
 from lbt.spec.batching import DEFAULT_PER_WORKER_BATCH
 from lbt.spec.result import ResultError, RunResult, read_result, write_result
 
@@ -221,7 +221,7 @@ def hydra_main(cfg: DictConfig) -> None:
     if sweeping and stop_asked() is not None:
         return  # its study is stopping: this job does not start (the same command runs it later)
     if study is not None and os.environ.get(STUDY_PID) != str(os.getpid()):
-        # A launcher's worker process: Ctrl-C reaches the study, which tells its jobs (lbt/engine/stop.py);
+        # A launcher's worker process: Ctrl-C reaches the study, which tells its jobs (lbt/parallel/stop.py);
         # a worker killed by it between jobs would take the launcher, and the running jobs, down with it.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)

@@ -38,12 +38,12 @@ from lbt.engine.checkpoint import (
 from lbt.engine.evaluate import AveragedWeights, evaluate
 from lbt.engine.precision import Precision, memory_format
 from lbt.engine.step import LoopState, StepRunner
-from lbt.engine.stop import stop_asked
 from lbt.metrics.tensorboard import RunLogger
 from lbt.metrics.text_log import say_once
 from lbt.metrics.timing import StepTimer
 from lbt.metrics.window import TrainWindow, diverging
 from lbt.parallel.process_group import DistContext, average_buffers
+from lbt.parallel.stop import stop_asked
 from lbt.rng import rng_state, set_rng_state
 from lbt.spec.batching import BatchLayout, Budget
 from lbt.spec.lr import optimizer_settings, peak

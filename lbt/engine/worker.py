@@ -31,13 +31,13 @@ from lbt.engine.build import build_data, build_parts
 from lbt.engine.checkpoint import Checkpointer, exported_model, load_snapshot
 from lbt.engine.outcome import finish, print_start
 from lbt.engine.precision import Precision
-from lbt.engine.stop import ask_stop, forget_stop, stop_asked
 from lbt.engine.trainer import LoopSettings, Trainer
 from lbt.errors import ConfigError
 from lbt.metrics.tensorboard import RunLogger
 from lbt.metrics.text_log import say_once, text_log
 from lbt.parallel import launcher
 from lbt.parallel import process_group as pg
+from lbt.parallel.stop import ask_stop, forget_stop, stop_asked
 from lbt.parallel.tensor_parallel import device_mesh
 from lbt.paths import check_free, folder_lock
 from lbt.spec.result import ResultError, RunResult, read_result, write_result
@@ -144,7 +144,7 @@ def launch_with_restarts(spec: RunSpec, run_dir: str) -> list[dict]:
     while True:
         steps = launcher.step_board(procs)
         try:
-            launcher.launch_local(_spawned_process, (steps, spec, run_dir), procs, on_signal=ask_stop)
+            launcher.launch_local(_spawned_process, (steps, spec, run_dir), procs)
             return restarts
         except launcher.WorkerDied as died:
             if not died.restartable or len(restarts) >= limit:
@@ -377,9 +377,6 @@ def stop_on_signals() -> Iterator[None]:
 
     forget_stop()  # an earlier run in this process was stopped, not this one
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    early = launcher.signal_received()  # a spawned worker told to stop while it started
-    if early is not None:
-        ask_stop(early)
     try:
         yield
     finally:

@@ -7,8 +7,8 @@ room for them (`check_resources`), and carries a worker's failure to the parent 
 
 A failed worker writes why into a file of the launcher's (`report_failure`: the exception's type,
 message and the line of lbt or user code that raised it); the parent reads the first such report
-and names it in WorkerDied. A stop (SIGTERM/SIGINT to the launcher) is forwarded to the workers
-and is never a failure: `launch_local` returns the signal, whatever the workers' exit codes.
+and names it in WorkerDied. A stop (SIGTERM/SIGINT to the launcher) reaches the workers through the
+job's stop file and is never a failure: `launch_local` returns the signal, whatever the workers' exit codes.
 """
 
 from __future__ import annotations
@@ -30,16 +30,14 @@ import torch.multiprocessing as mp
 
 from lbt.errors import ConfigError
 from lbt.parallel.process_group import HOST
+from lbt.parallel.stop import ask_stop, job_stop_file
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 ERRORS = "LBT_WORKER_ERRORS"  # the folder a spawned worker reports its failure into (set by launch_local)
-STOP_NOTE = "stop"  # in that folder: the signal the launcher was told to stop with
-STARTED = "started"  # in that folder, started<rank>: the worker takes a stop signal without dying of it
 # Set to 1 (the test suite does), the core and memory check passes, as dist.allow_oversubscribe=true does.
 OVERSUBSCRIBE = "LBT_ALLOW_OVERSUBSCRIBE"
 # Errors that a restart meets again: the disk, the permissions, the file system.
 LASTING_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS)
-_received: list[int] = []  # in a spawned worker: stop signals that came before the engine took them over
 
 
 class WorkerDied(RuntimeError):
@@ -194,33 +192,25 @@ def _exit_reason(code: int) -> str:
 
 # -- starting and watching ------------------------------------------------------------------------
 def _entry(rank: int, fn: Callable, *args) -> None:
-    """A spawned worker's first code: it started with SIGTERM/SIGINT blocked (so a stop cannot kill it
-    half-started); from here a stop (a signal, or one the launcher noted before this worker could take
-    it) is recorded (`signal_received`) until the worker installs its own handlers."""
+    """A spawned worker's first code. It started with SIGTERM/SIGINT ignored (and, from some launches,
+    blocked, `_start`), so a stop that came while it imported torch did not kill it: the launcher got that
+    stop too, and wrote it into the job's stop file, which the worker reads before its first step. From
+    here a signal asks the stop (`ask_stop`) until the run installs its own handlers."""
     for sig in STOP_SIGNALS:
-        signal.signal(sig, lambda signum, frame: _received.append(signum))
+        signal.signal(sig, lambda signum, frame: ask_stop(signum))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-    folder = os.environ[ERRORS]
-    (Path(folder) / f"{STARTED}{rank}").touch()  # from now on the launcher sends a stop as a signal
-    told = _noted_stop(folder)  # a stop the launcher was told before
-    if told is not None:
-        _received.append(told)
     fn(rank, *args)
 
 
-def signal_received() -> int | None:
-    """In a spawned worker: the first stop signal it got before it installed its own handlers."""
-    return _received[0] if _received else None
-
-
-def launch_local(fn: Callable, args: tuple, procs: int, on_signal: Callable[[int], None] | None = None) -> int | None:
+def launch_local(fn: Callable, args: tuple, procs: int) -> int | None:
     """Start `procs` processes running fn(rank, store_port, *args) and watch them.
 
     The parent owns the rendezvous store (port chosen by the OS, so no port can
     be "in use"). If any process fails, the rest are stopped within seconds and
     WorkerDied names the rank that caused it and why (see `_cause`). A SIGTERM
-    or SIGINT to the parent is forwarded to the workers (and to `on_signal`): the
-    job was told to stop, so its end is returned (the signal), never a failure.
+    or SIGINT to the parent is a stop for the whole job: written into the job's
+    stop file (lbt/parallel/stop.py), which the workers poll, so it reaches a worker
+    that is still starting too. The job's end is then the signal, never a failure.
     """
     store = dist.TCPStore(HOST, 0, procs + 1, is_master=True, wait_for_workers=False)
     if mp.get_start_method(allow_none=True) not in (None, "spawn", "fork", "forkserver"):
@@ -229,21 +219,17 @@ def launch_local(fn: Callable, args: tuple, procs: int, on_signal: Callable[[int
         mp.set_start_method("spawn", force=True)
     stopped: list[int] = []
     processes: list = []
-    with tempfile.TemporaryDirectory(prefix="lbt-workers-") as errors:
+    with tempfile.TemporaryDirectory(prefix="lbt-workers-") as errors, job_stop_file(Path(errors) / "stop"):
         def forward(signum, frame):
-            # Preemption reaches the launcher: the workers checkpoint and stop together. A worker that
-            # cannot take the signal yet reads the stop from the folder (`_entry`).
-            if not stopped and on_signal is not None:
-                on_signal(signum)
             stopped.append(signum)
-            _note_stop(errors, signum)
-            _terminate(processes, errors)
+            if not ask_stop(signum):  # no stop file to write (a full disk): the workers that can take it
+                for p in processes:
+                    if p.is_alive():
+                        os.kill(p.pid, signal.SIGTERM)
 
         previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
         try:
             processes += _start(fn, (store.port, *args), procs, errors)
-            if stopped:  # told while they started: the workers past their look at the note get the signal
-                _terminate(processes, errors)
             failed = _watch(processes)
         finally:
             for sig, handler in previous.items():
@@ -257,38 +243,22 @@ def launch_local(fn: Callable, args: tuple, procs: int, on_signal: Callable[[int
     return stopped[0] if stopped else None
 
 
-def _note_stop(folder: str, signum: int) -> None:
-    try:
-        (Path(folder) / STOP_NOTE).write_text(str(signum))
-    except OSError:
-        pass  # the workers started by now get the signal
-
-
-def _noted_stop(folder: str) -> int | None:
-    try:
-        return int((Path(folder) / STOP_NOTE).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _terminate(processes: list, folder: str) -> None:
-    """SIGTERM to every live worker that can take it (`_entry` installed its handlers); the others read
-    the stop from the note, which is written first."""
-    for rank, p in enumerate(processes):
-        if p.is_alive() and (Path(folder) / f"{STARTED}{rank}").exists():
-            os.kill(p.pid, signal.SIGTERM)
-
-
 def _start(fn: Callable, args: tuple, procs: int, errors: str) -> list:
-    """The processes, spawned with the stop signals blocked (they inherit the mask; `_entry` unblocks them)
-    and the folder for their failure reports in their environment."""
+    """The processes, with the folder for their failure reports in their environment, spawned with the
+    stop signals ignored: a spawned process keeps an ignored signal ignored (the blocked mask it keeps
+    from some launches only), and Python leaves an ignored SIGINT ignored. The launcher's own signals
+    are blocked meanwhile, so one that comes is held for its handler, not dropped (Linux keeps a blocked
+    signal pending whatever its disposition)."""
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
     os.environ[ERRORS] = errors
     try:
         context = mp.start_processes(_entry, args=(fn, *args), nprocs=procs, join=False, start_method="spawn")
         return context.processes
     finally:
         del os.environ[ERRORS]
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
