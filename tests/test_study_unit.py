@@ -122,10 +122,13 @@ def test_ctrl_c_stops_a_study_and_the_same_command_continues_it_exactly(tmp_path
         assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight), job
     assert len(list(folder.glob("*/final_model.pt"))) == 4
 
-    # Run once more: every job finished earlier, nothing is rewritten.
+    # Run once more: every job finished earlier, so no sweep starts (no job's line), nothing is rewritten,
+    # and the answer is the same.
     results = {p: p.read_bytes() for p in folder.glob("*/result.json")}
+    answer = (folder / "report.md").read_text()
     code, out, _ = run_main_io([*STUDY, f"hydra.sweep.dir={folder}"], capfd)  # in this process: nothing trains
-    assert code == 0 and out.count("finished earlier") == 4, out
+    assert code == 0 and "all 4 jobs finished earlier" in out and "[4/4]" not in out and "Answer: up to" in out, out
+    assert (folder / "report.md").read_text() == answer
     assert {p: p.read_bytes() for p in results} == results
     # Another grid into the same folder is refused, naming what differs.
     code, err = run_main([*STUDY[:3], "recipe=baseline", *STUDY[4:], f"hydra.sweep.dir={folder}"], capfd)

@@ -19,7 +19,7 @@ from lbt.apps.errors import fail
 from lbt.apps.estimate import duration, run_samples, timed_rate
 from lbt.apps.report import write_report
 from lbt.apps.report.cli import REPORT_FLAGS, report_options
-from lbt.apps.study_folder import STUDY_ENV, STUDY_PID, StudyJob, StudyRecord, claim, grid_jobs
+from lbt.apps.study_folder import STUDY_ENV, STUDY_PID, StudyJob, StudyRecord, claim, grid_jobs, jobs_to_run
 from lbt.apps.train import check_sweep, train_command
 from lbt.engine import make_spec
 from lbt.errors import ConfigError
@@ -109,12 +109,14 @@ def run_study(command: StudyCommand, record: StudyRecord, continued: bool, launc
     """The study's grids, one after another, then its answer; stopped by a signal: no answer."""
     quiet = [] if command.verbose else ["hydra/hydra_logging=disabled", "hydra/job_logging=disabled"]
     started, sweep_dir = time.perf_counter(), command.sweep_dir
+    left = jobs_to_run(sweep_dir, list(record.jobs))
     with study_signals(sweep_dir, command.verbose):
-        say_header(record, sweep_dir, continued, launcher, command.grids)
-        multirun([*command.args, *quiet])
-        for name, overrides in command.grids:
-            if stop_asked() is None:
-                multirun([*command.own_args, *overrides, *quiet, f"hydra.sweep.dir={sweep_dir}/{name}"])
+        say_header(record, sweep_dir, continued, launcher, command.grids, left)
+        if left:  # a finished study is only reported again: starting its sweep would cost seconds for nothing
+            multirun([*command.args, *quiet])
+            for name, overrides in command.grids:
+                if stop_asked() is None:
+                    multirun([*command.own_args, *overrides, *quiet, f"hydra.sweep.dir={sweep_dir}/{name}"])
         signum = stop_asked()
     if signum is not None:
         exit_stopped(signum, record, sweep_dir, command.given)
@@ -144,16 +146,18 @@ def study_record(args: list[str], grids: list[tuple[str, list[str]]], params: di
     return StudyRecord(tuple(args), tuple(jobs))
 
 
-def say_header(record: StudyRecord, sweep_dir: str, continued: bool, launcher: dict, grids: list) -> None:
+def say_header(record: StudyRecord, sweep_dir: str, continued: bool, launcher: dict, grids: list,
+               left: list[StudyJob]) -> None:
     """What will run, where, how, and for about how long (from 20 steps of the first job, timed here)."""
     jobs = list(record.jobs)
-    left = [job for job in jobs if not (Path(sweep_dir) / job.dir / "result.json").is_file()]
     main = [job for job in jobs if "/" not in job.dir]
     axes = " x ".join(f"{key} {n}" for key, n in swept_axes(main).items()) or "one job"
     extra = "".join(f" + {name} {sum(j.dir.startswith(name + '/') for j in jobs)}" for name, _ in grids)
     kind, parallel = launcher_name(launcher)
     print(f"study: {len(jobs)} jobs ({axes}{extra}); launcher {kind}; folder {Path(sweep_dir).resolve()}", flush=True)
-    if continued:
+    if continued and not left:
+        print(f"study: all {len(jobs)} jobs finished earlier: its answer again, from their results", flush=True)
+    elif continued:
         print(f"study: continuing: {len(jobs) - len(left)} of {len(jobs)} jobs finished, {len(left)} to run "
               "(stopped ones resume from their checkpoints)", flush=True)
     if left and kind != "slurm":

@@ -162,6 +162,13 @@ def job_line(study: Path, result: RunResult, seconds: float, parallel: int = 1, 
     return line
 
 
+def jobs_to_run(folder: str | Path, jobs: list[StudyJob]) -> list[StudyJob]:
+    """The jobs a study still has to run: those without a result, or with a failed attempt's (which a
+    rerun replaces); a stopped job has no result.json."""
+    results = [read_quietly(Path(folder) / job.dir / "result.json") for job in jobs]
+    return [job for job, result in zip(jobs, results) if result is None or result.failed]
+
+
 def read_quietly(path: Path) -> RunResult | None:
     try:
         return read_result(path) if path.is_file() else None
