@@ -22,7 +22,8 @@ from lbt.models.cnn1d import CNN1d
 from lbt.models.gpt import GPT
 from lbt.models.mlp import MLP
 from lbt.models.transformer1d import Transformer1d
-from lbt.parallel.fsdp import check_optimizer, check_shardable, shard_units
+from lbt.optim.factory import refuse_split_layers
+from lbt.parallel.fsdp import check_shardable, shard_units
 
 MLP_RUN = ["model=mlp", "model.hidden=32", "data.num_train=1280", "trainer.per_worker_batch=64",
            "dist.world_size=4"]  # global batch 256: 5 steps an epoch
@@ -60,9 +61,10 @@ def test_a_model_with_nothing_to_gather_by_blocks_or_a_whole_tensor_optimizer_is
     class Muon(torch.optim.SGD):
         pass
 
-    check_optimizer(torch.optim.AdamW(nn.Linear(2, 2).parameters()))
-    with pytest.raises(ConfigError, match="optimizer Muon: .*needs each weight whole"):
-        check_optimizer(Muon(nn.Linear(2, 2).parameters(), lr=0.1))
+    refuse_split_layers(torch.optim.AdamW, True)
+    refuse_split_layers("lbt.optim.LARS", True)
+    with pytest.raises(ConfigError, match="optimizer_class=Muon with layers split .*needs each weight whole"):
+        refuse_split_layers(Muon, True)
 
 
 def test_sharding_settings_it_cannot_run_are_one_line(tmp_path, capsys):
@@ -73,7 +75,7 @@ def test_sharding_settings_it_cannot_run_are_one_line(tmp_path, capsys):
          "technique.comm_compression with dist.shard=fsdp: it reads or changes the gradient DDP sends"),
         (["dist.shard=fsdp", "dist.procs=2", "technique=[local_sgd]"],
          "technique.local_sgd with dist.shard=fsdp: it replaces the synchronous step"),
-        (["dist.shard=fsdp", "dist.procs=2", "optim=muon"], "dist.shard=fsdp with optimizer MuonAdamW"),
+        (["dist.shard=fsdp", "dist.procs=2", "optim=muon"], "optim.optimizer_class=MuonAdamW with layers split"),
     ]:
         code, err = run_main(["train", *FAST, *overrides, f"hydra.run.dir={tmp_path / 'x'}"], capsys)
         assert code == 2 and err.count("\n") == 1 and expected in err, err

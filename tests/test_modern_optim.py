@@ -28,7 +28,7 @@ from lbt.models.cnn1d import CNN1d
 from lbt.models.mlp import MLP
 from lbt.models.transformer1d import Transformer1d
 from lbt.optim import MuonAdamW, create_optimizer, muon_split
-from lbt.optim.factory import refuse_split_matrices
+from lbt.optim.factory import refuse_split_layers
 from lbt.optim.muon import muon_lr
 from lbt.spec.batching import BatchLayout, make_budget
 from lbt.spec.lr import Schedule, ScheduleSpec, build_schedule, describe, lr_at
@@ -313,17 +313,19 @@ def test_bad_optimizer_input_is_one_line(name, tmp_path, capfd, monkeypatch):
     assert expected in lines[0], lines[0]
 
 
-def test_whole_matrix_optimizers_refuse_split_layers():
-    """Under tensor parallelism (or FSDP) the parameters are DTensor shards: Muon and SOAP are refused."""
+def test_optimizers_that_do_not_step_on_shards_refuse_split_layers():
+    """Under tensor parallelism (or FSDP) the parameters are DTensor shards: Muon and SOAP are refused, and so
+    is schedule-free, never run on shards."""
     import torch.distributed as dist
     from pytorch_optimizer import SOAP
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    for cls in (MuonAdamW, SOAP, torch.optim.Muon):
+    for cls in (MuonAdamW, SOAP, torch.optim.Muon, schedulefree.AdamWScheduleFree):
         with pytest.raises(ConfigError, match="with layers split across processes"):
-            refuse_split_matrices(cls, True)
-    refuse_split_matrices(torch.optim.AdamW, True)  # element-wise: fine
+            refuse_split_layers(cls, True)
+        refuse_split_layers(cls, False)  # layers whole: fine
+    refuse_split_layers(torch.optim.AdamW, True)  # element-wise: fine
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = MLP(hidden=8, num_layers=2)

@@ -19,7 +19,7 @@ from lbt.engine.precision import check_channels_last
 from lbt.engine.strategies.base import StepStrategy
 from lbt.errors import ConfigError
 from lbt.metrics.text_log import note, say_once
-from lbt.optim.factory import refuse_split_matrices
+from lbt.optim.factory import refuse_split_layers
 from lbt.parallel import fsdp, tensor_parallel
 from lbt.parallel.process_group import DistContext
 from lbt.spec.batching import BatchLayout, Budget, check_fits, make_budget
@@ -57,15 +57,18 @@ def check_targets(spec: RunSpec) -> None:
     locate("optim._target_", spec.optim.target, torch.optim.Optimizer)
     if isinstance(spec.optim.kwargs.get("optimizer_class"), str):
         optimizer_class = locate("optim.optimizer_class", spec.optim.kwargs["optimizer_class"], torch.optim.Optimizer)
-        refuse_split_matrices(optimizer_class, spec.layout.tensor_parallel > 1)  # Muon, SOAP: whole matrices only
+        refuse_split_layers(optimizer_class, split_layers(spec))  # Muon, SOAP: whole matrices only
     if isinstance(spec.data.kwargs.get("dataset"), str):
         locate("data.dataset", spec.data.kwargs["dataset"], tuple)
     for technique in spec.techniques:
         locate(f"{technique.key}._target_", technique.target, TECHNIQUE_KINDS)
     if spec.dist.shard == "fsdp" and spec.layout.procs > 1:  # sharded: refused before any process starts
         refuse_unsharded([instantiate(target, TECHNIQUE_KINDS) for target in spec.techniques])
-        if isinstance(spec.optim.kwargs.get("optimizer_class"), str):
-            fsdp.check_optimizer(spec.optim.kwargs["optimizer_class"])
+
+
+def split_layers(spec: RunSpec) -> bool:
+    """Whether the run's processes hold shards of its layers (DTensors): tensor parallel, or FSDP over processes."""
+    return spec.layout.tensor_parallel > 1 or (spec.dist.shard == "fsdp" and spec.layout.procs > 1)
 
 
 def build_data(data: Target) -> DataSplits:
@@ -107,8 +110,7 @@ def build_parts(spec: RunSpec, ctx: DistContext, extra_techniques: list[Techniqu
     model = build_placed_model(spec, data, techniques, strategy, ctx)
     data = data.to(ctx.device)  # in-memory data lives on the device: batches are gathered there
     optimizer = instantiate(spec.optim, torch.optim.Optimizer)(model)  # after sharding: it steps on the shards
-    if ctx.sharded:
-        fsdp.check_optimizer(optimizer)
+    refuse_split_layers(type(optimizer), ctx.sharded or ctx.tensor_parallel > 1)  # built without the factory too
     if ctx.tensor_parallel > 1:
         tensor_parallel.unfuse(optimizer)
     loss_fn: Callable = nn.CrossEntropyLoss()

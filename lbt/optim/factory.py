@@ -20,9 +20,11 @@ from lbt.optim.param_groups import param_groups
 from lbt.spec.targets import locate
 from lbt.spec.validate import number
 
-# Optimizers whose step needs each weight matrix whole (Newton-Schulz orthogonalization, Kronecker-factored
-# preconditioners), by class name: a tensor-parallel rank holds only a shard of a split layer's matrix.
-WHOLE_MATRIX_OPTIMIZERS = ("Muon", "MuonAdamW", "SOAP", "Shampoo", "ScalableShampoo", "DistributedShampoo")
+# Optimizers that step on DTensor shards exactly as on whole tensors, by class name: element-wise updates, and
+# LARS and LAMB, whose layer norms go through DTensor reductions (`whole`). With layers split (tensor parallel,
+# FSDP) any other is refused: a matrix optimizer (Muon, SOAP, Shampoo) transforms each weight whole, and one
+# never run on shards could do so unnoticed.
+SHARD_OPTIMIZERS = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "LARS", "LAMB")
 
 
 def create_optimizer(model: nn.Module, optimizer_class: str | type, lr: float, weight_decay: float = 0.0,
@@ -51,7 +53,7 @@ def create_optimizer(model: nn.Module, optimizer_class: str | type, lr: float, w
 
 def refuse_unfit(model: nn.Module, optimizer_class: Any) -> None:
     """One line for an optimizer that cannot train this model in lbt's loop: its step needs a closure
-    (schedule-free's *Closure classes), it needs whole matrices and the layers are split across processes,
+    (schedule-free's *Closure classes), it does not step on shards and the layers are split across processes,
     or it takes 2-D parameters only (torch's Muon) and the model has others."""
     name = getattr(optimizer_class, "__name__", str(optimizer_class))
     step = inspect.signature(optimizer_class.step).parameters.get("closure") \
@@ -61,7 +63,7 @@ def refuse_unfit(model: nn.Module, optimizer_class: Any) -> None:
                           "lbt's loop does not pass; for schedule-free use optim=schedulefree_adamw or "
                           "schedulefree_sgd, whose evaluation mode lbt switches itself")
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    refuse_split_matrices(optimizer_class, any(hasattr(p, "full_tensor") for _, p in params))  # DTensor shards
+    refuse_split_layers(optimizer_class, any(hasattr(p, "full_tensor") for _, p in params))  # DTensor shards
     if optimizer_class is getattr(torch.optim, "Muon", None):
         shape = next(((n, tuple(p.shape)) for n, p in params if p.ndim != 2), None)
         if shape is not None:
@@ -70,19 +72,20 @@ def refuse_unfit(model: nn.Module, optimizer_class: Any) -> None:
                               "biases, norms, embeddings and the head to AdamW and views kernels as matrices")
 
 
-def refuse_split_matrices(optimizer_class: Any, split: bool) -> None:
-    """One line when the optimizer needs each weight matrix whole (WHOLE_MATRIX_OPTIMIZERS) and the run splits
-    layers across processes (`split`: dist.tensor_parallel > 1 or dist.shard=fsdp; the parameters are DTensor
-    shards).
+def refuse_split_layers(optimizer_class: Any, split: bool) -> None:
+    """One line when the run splits layers across processes (`split`: dist.tensor_parallel > 1 or dist.shard=fsdp;
+    the parameters are DTensor shards) and the optimizer (a class or its import path) is not one that steps on
+    shards (SHARD_OPTIMIZERS).
 
-    The factory checks the built model's parameters; a check before the processes start can call it with
-    `dist.tensor_parallel > 1` from the spec."""
-    name = getattr(optimizer_class, "__name__", str(optimizer_class))
-    if split and name in WHOLE_MATRIX_OPTIMIZERS:
-        raise ConfigError(f"optim.optimizer_class={name} with layers split across processes "
-                          f"(dist.tensor_parallel > 1 or dist.shard=fsdp): {name} transforms each weight matrix "
-                          "whole, and a process holds only a shard of it; use an element-wise optimizer (optim=sgd, "
-                          "adamw, lars, lamb), or keep the layers whole")
+    The factory checks the built model's parameters; the engine checks the spec before the processes start,
+    and an optimizer built without the factory once it is built."""
+    name = optimizer_class if isinstance(optimizer_class, str) else getattr(optimizer_class, "__name__", "?")
+    name = name.rsplit(".", 1)[-1]
+    if split and name not in SHARD_OPTIMIZERS:
+        raise ConfigError(f"optim.optimizer_class={name} with layers split across processes (dist.tensor_parallel "
+                          "> 1 or dist.shard=fsdp): a process holds a shard of each split weight, and lbt runs only "
+                          f"optimizers that step on shards exactly ({', '.join(SHARD_OPTIMIZERS)}); a matrix "
+                          "optimizer (Muon, SOAP, Shampoo) needs each weight whole: keep the layers whole")
 
 
 def _fused_kernel_for(optimizer_class: Any, model: nn.Module) -> bool | None:

@@ -34,11 +34,6 @@ from torch import nn
 
 from lbt.errors import ConfigError
 
-# Optimizers whose update reads each element of a parameter with its own state only, or reads whole-tensor
-# norms through DTensor reductions (LARS and LAMB): they step on shards exactly as on whole tensors.
-# A matrix optimizer (Muon, Shampoo, SOAP) needs each weight whole and is refused.
-ELEMENTWISE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "LARS", "LAMB")
-
 
 def shard_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The blocks `fully_shard` wraps one by one (this module's docstring says how they are found)."""
@@ -101,16 +96,6 @@ def shard_model(model: nn.Module, dp_mesh, precision: str, model_name: str) -> l
         fully_shard(unit, mesh=dp_mesh, mp_policy=policy)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy)
     return [name for name, _ in units]
-
-
-def check_optimizer(optimizer: torch.optim.Optimizer | str) -> None:
-    """A sharded run's optimizer (or its class's dotted path) must step on shards: one line for one that needs
-    whole tensors."""
-    name = optimizer.rsplit(".", 1)[-1] if isinstance(optimizer, str) else type(optimizer).__name__
-    if name not in ELEMENTWISE_OPTIMIZERS:
-        raise ConfigError(f"dist.shard=fsdp with optimizer {name}: each rank holds 1/D of every parameter, and lbt "
-                          f"runs only optimizers that step on shards ({', '.join(ELEMENTWISE_OPTIMIZERS)}); a "
-                          "matrix optimizer (Muon, Shampoo, SOAP) needs each weight whole: use dist.shard=none")
 
 
 def replica_parameter_count(model: nn.Module) -> int:
