@@ -174,6 +174,39 @@ def test_a_stop_to_every_process_while_the_workers_import_does_not_kill_them(mon
     assert sorted(p.name for p in tmp_path.iterdir()) == ["told0", "told1"]
 
 
+FIRST_LAUNCH = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from multiprocessing.context import SpawnProcess
+from lbt.parallel.launcher import launch_local
+from test_launchers import _wait_for_a_stop
+
+start, started = SpawnProcess.start, []
+
+def start_then_interrupted(self):
+    start(self)  # this process's first spawn starts multiprocessing's resource tracker
+    os.kill(self.pid, signal.SIGINT)  # the worker has not run a line of Python yet
+    started.append(self)
+    if len(started) == 2:
+        os.kill(os.getpid(), signal.SIGINT)
+
+SpawnProcess.start = start_then_interrupted
+print("returned", int(launch_local(_wait_for_a_stop, ({folder!r},), 2)))
+"""
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_during_a_processs_first_launch_does_not_kill_its_workers(tmp_path):
+    """A process's first spawn starts multiprocessing's resource tracker, which unblocked SIGINT and SIGTERM in
+    the launcher, so its workers started without the block and died of a Ctrl-C while they imported torch."""
+    code = FIRST_LAUNCH.format(tests=str(Path(__file__).parent), folder=str(tmp_path))
+    job = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "LBT_ALLOW_OVERSUBSCRIBE": "1"})
+    assert job.returncode == 0 and f"returned {int(signal.SIGINT)}" in job.stdout, job.stderr[-2000:]
+    assert "KeyboardInterrupt" not in job.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["told0", "told1"]
+
+
 @pytest.mark.parametrize("codes, failed, cause", [
     # rank 1 SIGKILLed; rank 0 aborted in gloo in the same instant and was seen first
     ({0: -signal.SIGABRT, 1: -signal.SIGKILL}, [0, 1], 1),

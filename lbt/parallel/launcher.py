@@ -21,6 +21,7 @@ import sysconfig
 import tempfile
 import time
 import traceback
+from multiprocessing import resource_tracker
 from multiprocessing.connection import wait as wait_for_sentinels
 from pathlib import Path
 from typing import Callable
@@ -192,10 +193,9 @@ def _exit_reason(code: int) -> str:
 
 # -- starting and watching ------------------------------------------------------------------------
 def _entry(rank: int, fn: Callable, *args) -> None:
-    """A spawned worker's first code. It started with SIGTERM/SIGINT ignored (and, from some launches,
-    blocked, `_start`), so a stop that came while it imported torch did not kill it: the launcher got that
-    stop too, and wrote it into the job's stop file, which the worker reads before its first step. From
-    here a signal asks the stop (`ask_stop`) until the run installs its own handlers."""
+    """A spawned worker's first code. It started with SIGTERM/SIGINT blocked (`_start`), so a stop that came
+    while it imported torch waited, and did not kill it; from here a signal asks the stop (`ask_stop`: this
+    process's, and the job's stop file) until the run installs its own handlers."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, lambda signum, frame: ask_stop(signum))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
@@ -244,21 +244,20 @@ def launch_local(fn: Callable, args: tuple, procs: int) -> int | None:
 
 
 def _start(fn: Callable, args: tuple, procs: int, errors: str) -> list:
-    """The processes, with the folder for their failure reports in their environment, spawned with the
-    stop signals ignored: a spawned process keeps an ignored signal ignored (the blocked mask it keeps
-    from some launches only), and Python leaves an ignored SIGINT ignored. The launcher's own signals
-    are blocked meanwhile, so one that comes is held for its handler, not dropped (Linux keeps a blocked
-    signal pending whatever its disposition)."""
+    """The processes, with the folder for their failure reports in their environment, spawned with the stop
+    signals blocked: they inherit the mask of the thread that spawns them (only the launcher's thread is
+    blocked: a stop that comes meanwhile reaches the launcher's handler through another of its threads).
+    Neither ignore the signals here: an ignored signal that reaches another thread is dropped."""
+    # multiprocessing's resource tracker, started by a process's first spawn, unblocks SIGINT and SIGTERM
+    # once it runs: started here, before the block, it leaves the block in place for the workers.
+    resource_tracker.ensure_running()
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
     os.environ[ERRORS] = errors
     try:
         context = mp.start_processes(_entry, args=(fn, *args), nprocs=procs, join=False, start_method="spawn")
         return context.processes
     finally:
         del os.environ[ERRORS]
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
