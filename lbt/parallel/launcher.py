@@ -246,8 +246,8 @@ def launch_local(fn: Callable, args: tuple, procs: int) -> int | None:
 def _start(fn: Callable, args: tuple, procs: int, errors: str) -> list:
     """The processes, with the folder for their failure reports in their environment, spawned with the stop
     signals blocked: they inherit the mask of the thread that spawns them (only the launcher's thread is
-    blocked: a stop that comes meanwhile reaches the launcher's handler through another of its threads).
-    Neither ignore the signals here: an ignored signal that reaches another thread is dropped."""
+    blocked: a stop that comes meanwhile reaches the launcher's handler through another of its threads,
+    which is why the signals are blocked, not ignored: an ignored signal is dropped, whichever thread)."""
     # multiprocessing's resource tracker, started by a process's first spawn, unblocks SIGINT and SIGTERM
     # once it runs: started here, before the block, it leaves the block in place for the workers.
     resource_tracker.ensure_running()
