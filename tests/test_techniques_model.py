@@ -345,6 +345,10 @@ def _comm_hook_worker(rank: int, store_port: int, out_dir: str) -> None:
         results[kind] = {"steps": steps, "params": [p.detach().clone() for p in model.parameters()],
                          "ratio": technique.bytes_ratio if technique else None}
     torch.save(results, f"{out_dir}/rank{rank}.pt")
+    # Both ranks tear down together, hooks released first: in one full suite run rank 0 aborted in
+    # gloo at the end ("terminate called without an active exception") after rank 1 had closed its side.
+    del ddp, technique
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
