@@ -110,7 +110,7 @@ def build_parts(spec: RunSpec, ctx: DistContext, extra_techniques: list[Techniqu
     model = build_placed_model(spec, data, techniques, strategy, ctx)
     data = data.to(ctx.device)  # in-memory data lives on the device: batches are gathered there
     optimizer = instantiate(spec.optim, torch.optim.Optimizer)(model)  # after sharding: it steps on the shards
-    refuse_split_layers(type(optimizer), ctx.sharded or ctx.tensor_parallel > 1)  # built without the factory too
+    refuse_split_layers(type(optimizer), split_layers(spec))  # built without the factory too
     if ctx.tensor_parallel > 1:
         tensor_parallel.unfuse(optimizer)
     loss_fn: Callable = nn.CrossEntropyLoss()
