@@ -15,13 +15,15 @@ out, 10,000 test). Reported per recipe and batch:
     python bench/fair.py                                  # cnn1d: every recipe, 5 trials x 3 studies
     python bench/fair.py --workload transformer1d   # adamw_sqrt (the reference), muon, soap, schedulefree, wsd_adamw
     python bench/fair.py --recipes baseline,muon --world-sizes 16,64,128 --trials 3 --studies 2   # a smaller one
+    python bench/fair.py --workload transformer1d --recipes adamw_sqrt --world-sizes 16,32,64 --epochs 30 \
+        --target 0.955 --dir runs/tune/fair_transformer1d_long   # a longer budget where 10 epochs miss the target
 
-The base recipe (the first of --recipes) also runs at world sizes 1 and 4 (global batch 64 and 256). Gaps and
-the target are measured against the tuned base batch, 64: the best recipe there on val (the base recipe's
-unless others also ran at 1, as a later command with `--world-sizes 1,4` adds them). Trials run in
-`--procs` processes (tune.workers, one thread each) sharing one SQLite storage in --dir; interrupted, the
-same command continues. The full protocol is long (hours on 2 cores; tune.log times every trial): run it
-on a quiet machine.
+The base recipe (the first of --recipes) also runs at world sizes 1 and 4 (global batch 64 and 256) unless
+--target is given. Gaps and the target are measured against the tuned base batch, 64: the best recipe there
+on val (the base recipe's unless others also ran at 1, as a later command with `--world-sizes 1,4` adds
+them). Trials run in `--procs` processes (tune.workers, one thread each) sharing one SQLite storage in
+--dir; interrupted, the same command continues. The full protocol is long (hours on 2 cores; tune.log times
+every trial): run it on a quiet machine.
 The last lines: `critical_batch_<recipe>=<samples>` per recipe, then `best_gap_64x=<points> best_gap_128x=<points>`:
 test points the best recipe (chosen on val) loses against the tuned base batch (positive = below).
 """
@@ -61,6 +63,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--studies", type=int, default=3, help="independent studies per cell")
     parser.add_argument("--seeds", type=int, default=3, help="fresh seeds of the final runs")
     parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--target", type=float,
+                        help="the val accuracy to reach (tune.target), e.g. another folder's; given, the base recipe "
+                             "runs only at --world-sizes, since the target needs no batch-64 cell")
     parser.add_argument("--procs", type=int, default=2, help="trial processes at a time (tune.workers)")
     args = parser.parse_args(argv)
     recipes, world_sizes, overrides = WORKLOADS[args.workload]
@@ -71,8 +76,10 @@ def main(argv: list[str] | None = None) -> None:
     common = [*overrides, f"trainer.epochs={args.epochs}", f"tune.trials={args.trials}",
               f"tune.studies={args.studies}", "tune.sampler=qmc", "tune.pruner=none", f"tune.seeds={args.seeds}",
               "tune.untuned=false", f"tune.workers={args.procs}", "trainer.threads=1", f"tune.dir={folder}"]
+    if args.target is not None:
+        common.append(f"tune.target={args.target}")
     started = time.perf_counter()
-    base_sizes = sorted(set(BASE_ONLY + world_sizes))
+    base_sizes = sorted(set(world_sizes if args.target is not None else BASE_ONLY + world_sizes))
     # The base recipe first (its tuned val accuracy at batch 64 sets the target), then the others; the last
     # command writes the report over every cell of the folder.
     groups = [[f"recipe={recipes[0]}", f"dist.world_size={','.join(map(str, base_sizes))}"]]

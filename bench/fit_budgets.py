@@ -1,0 +1,78 @@
+"""The critical batch through tune folders run at different epoch budgets (bench/README.md, "A longer budget
+where 10 epochs miss the target").
+
+    python bench/fit_budgets.py runs/tune/fair_transformer1d_small runs/tune/fair_transformer1d_long
+
+`bench/fair.py` fits S = S_min (1 + B_crit / B) through one folder's cells, all at one epoch budget. Where the
+budget ends before a large batch reaches the target, that batch is "missed" and left out of the fit, and a
+recipe whose steps fall as 1/batch up to there has no critical batch at all. A longer budget at those batches
+(`bench/fair.py --epochs 30 --target T`, T the first folder's target) measures them. Per recipe and global
+batch this script takes the steps of the first folder given (give the shortest budget first) whose median
+over studies reaches the target, and fits through them: a batch gets a longer budget only where a shorter one
+missed. The folders must share the target.
+
+The last lines: `critical_batch_<recipe>=<samples>` per recipe (n/a: no fit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from lbt.metrics.critical import fit_steps_to_target
+
+
+def read(folder: Path) -> tuple[float, str, list[dict]]:
+    """A folder's target, its epoch budget (as its overrides say it) and its steps-to-target rows."""
+    summary = json.loads((folder / "tune_summary.json").read_text())
+    epochs = next((o.split("=", 1)[1] for o in summary["overrides"] if o.startswith("trainer.epochs=")), "default")
+    steps = summary["steps_to_target"]
+    return steps["target"], epochs, steps["cells"]
+
+
+def chosen_points(folders: list[Path]) -> tuple[float, dict[str, dict[int, tuple[float, str]]]]:
+    """Per recipe, per global batch: (median steps, epochs) from the first folder whose median reaches the
+    target."""
+    targets, points = [], {}
+    for folder in folders:
+        target, epochs, rows = read(folder)
+        targets.append(target)
+        for row in rows:
+            if row["median"] is not None:
+                points.setdefault(row["series"], {}).setdefault(row["global_batch"], (row["median"], epochs))
+    if any(not math.isclose(t, targets[0], rel_tol=1e-9) for t in targets):
+        sys.exit(f"bench/fit_budgets.py: the folders' targets differ ({', '.join(f'{t:.4f}' for t in targets)}); "
+                 "run the longer budget with --target set to the first folder's")
+    return targets[0], points
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folders", nargs="+", type=Path, help="tune folders, the shortest budget first")
+    args = parser.parse_args(argv)
+    target, points = chosen_points(args.folders)
+    print(f"Target val {100 * target:.2f}%; per batch the shortest budget whose median reaches it.\n")
+    print("| recipe | steps to target (epochs) per global batch | critical batch | S_min | relative rms |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    found = {}
+    for series, by_batch in sorted(points.items()):
+        batches = sorted(by_batch)
+        shown = ", ".join(f"{b:,}: {by_batch[b][0]:,.0f} ({by_batch[b][1]})" for b in batches)
+        try:
+            fit = fit_steps_to_target(batches, [by_batch[b][0] for b in batches])
+        except ValueError as error:
+            found[series] = None
+            print(f"| {series} | {shown} | n/a: {error} | | |")
+            continue
+        found[series] = fit.b_crit
+        print(f"| {series} | {shown} | {fit.b_crit:,.0f} | {fit.s_min:.1f} | {fit.rel_rms:.3f} |")
+    print()
+    for series, b_crit in found.items():
+        print(f"critical_batch_{series}={'n/a' if b_crit is None else f'{b_crit:.0f}'}")
+
+
+if __name__ == "__main__":
+    main()
