@@ -1,6 +1,6 @@
 """What each optimizer costs per step and per parameter, against AdamW, at transformer1d's size.
 
-    python bench/optim_cost.py [--model transformer1d] [--repeats 7] [--steps 40] [--threads 1]
+    python bench/optim_cost.py [--model transformer1d] [--repeats 7] [--steps 40] [--threads 1] [--profile soap]
 
 The model, optimizer and loss are built from the composed config (`model=M optim=O`), as `lbt train`
 builds them (bench/_common.build_model); every contender trains the same MNIST-1D batches of 64 from the
@@ -12,6 +12,9 @@ over the repeats, with its range.
 Memory per parameter: the bytes of the optimizer's state tensors (momenta, second moments,
 preconditioner factors, schedule-free's z) over the trainable parameters, so AdamW's is 8 (two fp32
 tensors), SGD-momentum's 4; the parameters and gradients themselves (8 more) are every optimizer's.
+
+`--profile NAME` also breaks NAME's `optimizer.step` down by operator (torch.profiler, self CPU time per step):
+where an optimizer's cost is arithmetic (matrix products, decompositions) and where it is dispatch.
 
 The last line: `step_ratio_max=<the largest step time / AdamW's among the new optimizers>`.
 """
@@ -81,12 +84,32 @@ def contender(name: str, model_name: str, steps: int, batches: list) -> tuple:
     return run, timings, state / params, params
 
 
+def profile_step(name: str, model_name: str, steps: int, batches: list) -> None:
+    """NAME's optimizer.step over `steps` steps under torch.profiler: the operators by self CPU time per step."""
+    config, _ = compose([f"model={model_name}", f"optim={name}", "trainer.device=cpu"])
+    model, optimizer, loss_fn = build_model(config, build_data(config))
+    for inputs, labels in batches[:3]:
+        loss_fn(model(inputs), labels).backward()
+        optimizer.step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            optimizer.step()  # the gradients of the last batch: the same work as any step's
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) / steps / 1e3
+    print(f"\n{name}: optimizer.step {total:.2f} ms per step under the profiler, by operator (self CPU, per step):")
+    print("| operator | ms per step | calls per step |")
+    print("| --- | ---: | ---: |")
+    for event in events[:8]:
+        print(f"| {event.key} | {event.self_cpu_time_total / steps / 1e3:.3f} | {event.count / steps:.0f} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="transformer1d")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--steps", type=int, default=40, help="steps per timed repeat")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--profile", help="an optim to break down by operator after the table (e.g. soap)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     config, _ = compose([f"model={args.model}", "trainer.device=cpu"])
@@ -112,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
         low, high = 1e3 * min(timings["step"]), 1e3 * max(timings["step"])
         print(f"| {name} | {1e3 * step:.2f} ({low:.2f}-{high:.2f}) | {step / base:.2f} | "
               f"{1e3 * opt:.3f} | {opt / base_opt:.2f} | {per_param:.1f} |")
+    if args.profile:
+        profile_step(args.profile, args.model, args.steps, batches)
     for name in NEW:
         headline(f"step_ratio_{name}", f"{ratios[name]:.3f}")
     headline("step_ratio_max", f"{max(ratios[n] for n in NEW):.3f}")
