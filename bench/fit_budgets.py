@@ -27,6 +27,8 @@ from lbt.metrics.critical import fit_steps_to_target
 
 def read(folder: Path) -> tuple[float, str, list[dict]]:
     """A folder's target, its epoch budget (as its overrides say it) and its steps-to-target rows."""
+    if not (folder / "tune_summary.json").is_file():
+        sys.exit(f"bench/fit_budgets.py: {folder} has no tune_summary.json: not a finished bench/fair.py folder")
     summary = json.loads((folder / "tune_summary.json").read_text())
     epochs = next((o.split("=", 1)[1] for o in summary["overrides"] if o.startswith("trainer.epochs=")), "default")
     steps = summary["steps_to_target"]
