@@ -22,7 +22,7 @@ import math
 import sys
 from pathlib import Path
 
-from lbt.metrics.critical import fit_steps_to_target
+from lbt.apps.tune.report import steps_fit
 
 
 def read(folder: Path) -> tuple[float, str, list[dict]]:
@@ -63,14 +63,12 @@ def main(argv: list[str] | None = None) -> None:
     for series, by_batch in sorted(points.items()):
         batches = sorted(by_batch)
         shown = ", ".join(f"{b:,}: {by_batch[b][0]:,.0f} ({by_batch[b][1]})" for b in batches)
-        try:
-            fit = fit_steps_to_target(batches, [by_batch[b][0] for b in batches])
-        except ValueError as error:
-            found[series] = None
-            print(f"| {series} | {shown} | n/a: {error} | | |")
-            continue
-        found[series] = fit.b_crit
-        print(f"| {series} | {shown} | {fit.b_crit:,.0f} | {fit.s_min:.1f} | {fit.rel_rms:.3f} |")
+        fit = steps_fit(series, [{"global_batch": b, "median": by_batch[b][0]} for b in batches])  # fair.py's fit
+        found[series] = fit["b_crit"]
+        if fit["b_crit"] is None:
+            print(f"| {series} | {shown} | n/a: {fit['note']} | | |")
+        else:
+            print(f"| {series} | {shown} | {fit['b_crit']:,.0f} | {fit['s_min']:.1f} | {fit['rel_rms']:.3f} |")
     print()
     for series, b_crit in found.items():
         print(f"critical_batch_{series}={'n/a' if b_crit is None else f'{b_crit:.0f}'}")
