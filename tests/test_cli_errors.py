@@ -165,3 +165,23 @@ def test_report_target_refused_in_one_line(text, expected, tmp_path, capfd):
     code, err = run_main(["report", str(tmp_path), "--target", text], capfd)
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("lbt: error:") and expected in lines[0], err
+
+
+def test_more_nccl_processes_than_gpus_is_one_line(tmp_path, capfd, monkeypatch):
+    """Two NCCL ranks on one GPU fail inside NCCL ("invalid usage") or hang: refused before any worker starts.
+    The machine is told it has one GPU (the check reads only the count); CPU runs and gloo are let through."""
+    import torch
+
+    from lbt.engine.worker import check_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.chdir(tmp_path)
+    code, err = run_main(["train", "data=synthetic", "trainer.progress=false", "dist.world_size=4", "dist.procs=2",
+                          f"hydra.run.dir={tmp_path}"], capfd)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0] == ("lbt: error: 2 processes on this machine and 1 CUDA GPU: NCCL needs a GPU per process; "
+                        "use dist.procs<=1 (dist.world_size workers are simulated on them) or trainer.device=cpu")
+    for backend, device, procs in (("auto", "cpu", 2), ("gloo", "auto", 2), ("auto", "auto", 1), ("nccl", "cuda", 1)):
+        check_backend(backend, device, procs)  # none of these is refused
