@@ -311,6 +311,10 @@ def test_comm_compression_config_errors_and_single_process_no_op():
     assert technique.bytes_ratio is None and "PowerSGD rank 1" in technique.describe()
 
 
+# powersgd on CPU gradients is refused where CUDA is present (torch's hook fails there; test below).
+CPU_KINDS = ("none",) + tuple(k for k in KINDS if k != "powersgd" or not torch.cuda.is_available())
+
+
 def _comm_hook_worker(rank: int, store_port: int, out_dir: str) -> None:
     """Each kind on a fresh DDP MLP for 3 steps; saves local and allreduced gradients and final parameters."""
     from torch.nn.parallel import DistributedDataParallel
@@ -322,7 +326,7 @@ def _comm_hook_worker(rank: int, store_port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     init_process_group("gloo", rank, 2, 30.0, store_port)
     results = {}
-    for kind in ("none",) + KINDS:
+    for kind in CPU_KINDS:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
         local = copy.deepcopy(model)
@@ -358,7 +362,7 @@ def test_comm_hooks_on_gloo_with_two_processes(tmp_path):
 
     launch_local(_comm_hook_worker, (str(tmp_path),), 2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
-    for kind in ("none",) + KINDS:
+    for kind in CPU_KINDS:
         for a, b in zip(ranks[0][kind]["params"], ranks[1][kind]["params"]):
             assert torch.equal(a, b), f"{kind}: the ranks' parameters diverged"
     for kind, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
@@ -369,6 +373,8 @@ def test_comm_hooks_on_gloo_with_two_processes(tmp_path):
                 # The hook: cast, divide by world size, sum in 16 bits, cast back.
                 expected = (local[0][i].to(dtype) / 2 + local[1][i].to(dtype) / 2).float()
                 torch.testing.assert_close(reduced, expected, rtol=0, atol=0)
+    if "powersgd" not in CPU_KINDS:
+        return
     powersgd = ranks[0]["powersgd"]["steps"]
     local = [ranks[r]["powersgd"]["steps"] for r in range(2)]
     for step in range(3):
@@ -381,3 +387,17 @@ def test_comm_hooks_on_gloo_with_two_processes(tmp_path):
             assert not torch.allclose(weight, mean[0])
             torch.testing.assert_close(powersgd[step]["reduced"][1], mean[1])  # a bias goes uncompressed
     assert ranks[0]["powersgd"]["ratio"] > 5
+
+
+def test_powersgd_on_cpu_gradients_beside_cuda_is_refused(monkeypatch):
+    """torch's powerSGD_hook synchronizes the gradients' device whenever CUDA is present and fails on CPU ones
+    (seen on an H200 machine): the hook is refused with one line; without CUDA, or with fp16, it is given."""
+    from types import SimpleNamespace
+
+    ddp = SimpleNamespace(module=nn.Linear(16, 4))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert callable(CommCompression("powersgd").comm_hook(None, ddp))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError, match="kind=powersgd with CPU gradients on a machine with CUDA"):
+        CommCompression("powersgd").comm_hook(None, ddp)
+    assert callable(CommCompression("fp16").comm_hook(None, ddp))
