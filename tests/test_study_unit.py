@@ -23,7 +23,8 @@ from lbt.errors import ConfigError
 
 # Long enough (a few seconds a job on 2 cores) for Ctrl-C, sent at a job's first checkpoint (end of epoch 1),
 # to land mid-run; BN-free, so resumes are bitwise.
-STUDY = ["study", "model=mlp", "data=synthetic", "recipe=baseline,lars", "dist.world_size=1,4", "trainer.epochs=40"]
+STUDY = ["study", "model=mlp", "data=synthetic", "recipe=baseline,lars", "dist.world_size=1,4", "trainer.epochs=40",
+         "trainer.device=cpu"]  # one device for the study and the straight runs it is compared with
 
 
 def test_grid_jobs_number_the_jobs_as_hydras_basic_sweeper_does():
