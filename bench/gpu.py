@@ -3,6 +3,7 @@
     python bench/gpu.py              # 3 interleaved repeats per figure
     python bench/gpu.py --quick      # 1 repeat, fewer steps
     python bench/gpu.py --models resnet20
+    python bench/gpu.py --variant dist.fuse_workers=false --variant trainer.channels_last=false   # where W=8 loses
 
 Every run trains in bf16 autocast (`trainer.precision=bf16`) with channels_last inputs and model, on
 synthetic data held on the GPU, SGD with momentum, world_size 1 unless said:
@@ -14,6 +15,7 @@ synthetic data held on the GPU, SGD with momentum, world_size 1 unless said:
     per-worker BatchNorm). Target: >= 0.9.
 (c) the step split lbt measures (data, compute, optimizer seconds per step, CUDA events).
 Models: resnet20 on CIFAR-sized 3x32x32 inputs, torchvision resnet50 on 3x224x224 inputs.
+Each --variant OVERRIDE runs W=1 and W=8 again with that override added and prints their ratio beside (b)'s.
 On a machine without CUDA it prints one line and exits 0. The last line is `gpu_ratio=<worst lbt/plain>`.
 """
 
@@ -41,15 +43,15 @@ CASES = {
 }
 
 
-def lbt_overrides(case: str, world_size: int, steps: int) -> list[str]:
+def lbt_overrides(case: str, world_size: int, steps: int, variant: tuple[str, ...] = ()) -> list[str]:
     overrides, batch, _, _ = CASES[case]
     return [*GPU_BASE, *overrides, f"dist.world_size={world_size}", "dist.procs=1", f"trainer.global_batch={batch}",
-            "trainer.epochs=1", f"trainer.max_steps={steps}"]
+            "trainer.epochs=1", f"trainer.max_steps={steps}", *variant]
 
 
 class LbtRun:
-    def __init__(self, case: str, world_size: int, steps: int):
-        self.overrides, self.steps = lbt_overrides(case, world_size, steps), steps
+    def __init__(self, case: str, world_size: int, steps: int, variant: tuple[str, ...] = ()):
+        self.overrides, self.steps = lbt_overrides(case, world_size, steps, variant), steps
         self.step_seconds: list[dict] = []
 
     def __call__(self) -> float:
@@ -101,18 +103,39 @@ def split_line(step_seconds: list[dict]) -> str:
     return ", ".join(f"{p[:-2]} {median([s.get(p, 0.0) for s in step_seconds]) * 1e3:.2f} ms" for p in phases)
 
 
+def measure_variants(name: str, steps: int, variants: list[str], repeats: int) -> list[str]:
+    """W=1 and W=8 of `name` again under each override (one table row each): where the simulated pass loses."""
+    rows = []
+    for variant in variants:
+        runs = {"w1": LbtRun(name, 1, steps, (variant,)), "w8": LbtRun(name, 8, steps, (variant,))}
+        LbtRun(name, 1, max(2, steps // 5), (variant,))(), LbtRun(name, 8, max(2, steps // 5), (variant,))()
+        values = interleaved(runs, repeats)
+        rows.append(f"| {name} | `{variant}` | {spread(values['w1'])} | {spread(values['w8'])} | "
+                    f"{median(pair_ratios(values['w8'], values['w1'])):.3f} | {split_line(runs['w8'].step_seconds)} |")
+    return rows
+
+
+def print_variants(rows: list[str]) -> None:
+    if rows:
+        print("\n| model | variant | lbt W=1 samples/s | lbt W=8 simulated samples/s | W=8 / W=1 | W=8 step split |")
+        print("| --- | --- | ---: | ---: | ---: | --- |")
+        print("\n".join(rows))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1 repeat and fewer steps")
     parser.add_argument("--repeats", type=int, help="interleaved repeats per figure (default 3, quick 1)")
     parser.add_argument("--models", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--variant", action="append", default=[], metavar="OVERRIDE",
+                        help="run W=1 and W=8 again with this lbt override added (repeatable)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(NO_GPU)
         return 0
     repeats = args.repeats or (1 if args.quick else 3)
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}", flush=True)
-    rows, ratios = [], {}
+    rows, ratios, variant_rows = [], {}, []
     for name in args.models:
         _, batch, steps, quick_steps = CASES[name]
         steps = quick_steps if args.quick else steps
@@ -126,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         vs_w1 = pair_ratios(values["lbt_w8"], values["lbt"])
         ratios[name] = median(vs_plain)
         rows.append((name, batch, steps, values, vs_plain, vs_w1, lbt.step_seconds, simulated.step_seconds))
+        variant_rows += measure_variants(name, steps, args.variant, repeats)
     print()
     print("| model | global batch | steps | plain samples/s | lbt samples/s | lbt / plain | "
           "lbt W=8 simulated samples/s | W=8 / W=1 |")
@@ -136,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     print("(samples/s: median (min-max, n); ratios: medians of the per-repeat ratios)")
     for name, _, _, _, _, _, w1_split, w8_split in rows:
         print(f"step split, {name}: W=1: {split_line(w1_split)}; W=8 simulated: {split_line(w8_split)}")
+    print_variants(variant_rows)
     worst = min(ratios, key=ratios.get)
     w8 = min(median(row[5]) for row in rows)
     print(f"targets: lbt / plain >= 0.97: {'met' if ratios[worst] >= 0.97 else 'MISSED'} (worst {worst} "
