@@ -316,11 +316,13 @@ def full_state(state: dict, ctx: DistContext) -> dict:
 
 
 def exported_model(model: torch.nn.Module, ctx: DistContext) -> dict:
-    """The trained model as one ordinary state dict of whole tensors on rank 0 (the others get {}), for
-    final_model.pt. A sharded model is gathered one tensor at a time into rank 0's memory alone, so no rank
-    ever holds the whole model beside its training state (a collective: every rank calls it)."""
+    """The trained model as one ordinary state dict of whole CPU tensors on rank 0 (the others get {}), for
+    final_model.pt, which then loads on a machine without the GPU it was trained on. A sharded model is
+    gathered one tensor at a time into rank 0's memory alone, so no rank ever holds the whole model beside
+    its training state (a collective: every rank calls it)."""
     if not ctx.sharded:
-        return full_state(model.state_dict(), ctx)
+        state = full_state(model.state_dict(), ctx)
+        return {name: value.cpu() if isinstance(value, torch.Tensor) else value for name, value in state.items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
