@@ -13,9 +13,10 @@ be simulated is refused in one line (`check_layout`): PowerSGD across simulated
 workers (its per-worker error feedback and warm start), and simulated workers
 in several processes. With one worker in all there is no allreduce to compress.
 
-On gloo (CPU), fp16, bf16 and powersgd all work (tests/test_techniques_model.py); powersgd only while
-DDP has one gradient bucket (under ~1 MB of gradients): with several, gloo's collectives mismatch or
-hang, in plain torch DDP too. torch's batched_powerSGD_hook fails on gloo; lbt does not offer it.
+On gloo (CPU), fp16, bf16 and powersgd all work (tests/test_techniques_model.py); powersgd only on a
+machine without CUDA (`check_powersgd_device`), and only while DDP has one gradient bucket (under ~1 MB
+of gradients): with several, gloo's collectives mismatch or hang, in plain torch DDP too. torch's
+batched_powerSGD_hook fails on gloo; lbt does not offer it.
 
 PowerSGD keeps state between steps: each rank's error feedback (what its
 compressed gradients left out, its own), the warm-start P and Q, the step count
@@ -256,4 +257,3 @@ class _Bucket:
 
     def gradients(self) -> list[torch.Tensor]:
         return self._gradients
-
