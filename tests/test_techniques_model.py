@@ -147,6 +147,31 @@ def test_ghost_batch_norm_is_batch_norm_per_chunk(shape, virtual_batch):
     torch.testing.assert_close(ghost_var, 0.9 * var + 0.1 * torch.stack([s[1] for s in stats]).mean(0))
 
 
+def test_ghost_batch_norm_keeps_channels_last_and_equals_each_workers_batch_norm():
+    """trainer.channels_last: the fused pass's BN output stays channels_last (the fold used to return NCHW,
+    so each convolution after it met a layout change on the GPU), and equals, bit for bit, each worker's own
+    BN on its channels_last chunk, as real workers compute it; the gradient matches too."""
+    torch.manual_seed(0)
+    x = (torch.randn(16, 6, 5, 3) * 3 + 1).contiguous(memory_format=torch.channels_last)
+    weight, bias = torch.randn(6), torch.randn(6)
+    mean, var = torch.randn(6), torch.rand(6) + 0.5
+    ghost_mean, ghost_var = mean.clone(), var.clone()
+    fused = x.clone().requires_grad_()
+    out = ghost_batch_norm(fused, 4, weight, bias, 1e-5, ghost_mean, ghost_var, momentum=0.1)
+    assert out.is_contiguous(memory_format=torch.channels_last) and not out.is_contiguous()
+    per_worker, chunk_means = x.clone().requires_grad_(), []
+    chunk_outs = []
+    for chunk in per_worker.split(4):
+        m, v = mean.clone(), var.clone()
+        chunk_outs.append(F.batch_norm(chunk, m, v, weight, bias, True, 0.1, 1e-5))
+        chunk_means.append(m)
+    assert torch.equal(out, torch.cat(chunk_outs))
+    torch.testing.assert_close(ghost_mean, torch.stack(chunk_means).mean(0))
+    out.pow(2).sum().backward()
+    torch.cat(chunk_outs).pow(2).sum().backward()
+    torch.testing.assert_close(fused.grad, per_worker.grad)
+
+
 @pytest.mark.parametrize("bn_class, shape", [(nn.BatchNorm2d, (8, 3, 4, 4)), (nn.BatchNorm1d, (8, 3)),
                                              (nn.BatchNorm1d, (8, 3, 5))])
 @pytest.mark.parametrize("momentum", [0.1, None])

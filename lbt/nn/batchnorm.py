@@ -51,7 +51,12 @@ def ghost_batch_norm(
         return F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)
     # One F.batch_norm call: chunk j's channels become channels j*C..j*C+C-1 of
     # a (v, chunks*C, *) tensor, so per-channel statistics are per-chunk ones.
-    folded = x.reshape(chunks, virtual_batch, c, *rest).transpose(0, 1).reshape(virtual_batch, chunks * c, *rest)
+    # A channels_last input (trainer.channels_last) is folded with its channels
+    # innermost, so the output stays channels_last for the next convolution, as
+    # plain BN's does; the copies are the same two.
+    nhwc = x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+    folded = fold_channels_last(x, chunks) if nhwc else (
+        x.reshape(chunks, virtual_batch, c, *rest).transpose(0, 1).reshape(virtual_batch, chunks * c, *rest))
 
     def tile(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.repeat(chunks)
@@ -63,7 +68,25 @@ def ghost_batch_norm(
             # Each chunk moved its own copy of the running stats; keep their mean.
             running_mean.copy_(chunk_mean.view(chunks, c).mean(0))
             running_var.copy_(chunk_var.view(chunks, c).mean(0))
+    if nhwc:
+        return unfold_channels_last(out, chunks)
     return out.reshape(virtual_batch, chunks, c, *rest).transpose(0, 1).reshape(x.shape)
+
+
+def fold_channels_last(x: torch.Tensor, chunks: int) -> torch.Tensor:
+    """(chunks*v, C, H, W) in channels_last -> (v, chunks*C, H, W) in channels_last, chunk j's channels at
+    j*C..j*C+C-1 (one copy: the channels-innermost view is contiguous)."""
+    n, c, h, w = x.shape
+    nhwc = x.permute(0, 2, 3, 1).reshape(chunks, n // chunks, h, w, c)
+    return nhwc.permute(1, 2, 3, 0, 4).reshape(n // chunks, h, w, chunks * c).permute(0, 3, 1, 2)
+
+
+def unfold_channels_last(out: torch.Tensor, chunks: int) -> torch.Tensor:
+    """The inverse of `fold_channels_last` (one copy)."""
+    v, folded_c, h, w = out.shape
+    c = folded_c // chunks
+    nhwc = out.permute(0, 2, 3, 1).reshape(v, h, w, chunks, c)
+    return nhwc.permute(3, 0, 1, 2, 4).reshape(chunks * v, h, w, c).permute(0, 3, 1, 2)
 
 
 class GhostBatchNorm(_BatchNorm):
