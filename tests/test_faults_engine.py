@@ -138,6 +138,28 @@ def test_a_worker_exception_is_one_line_with_its_place_and_out_of_memory_at_the_
     assert "rank 1 failed:\nTraceback" in log and "MemoryError: injected at step 0" in log
 
 
+class RefuseInEveryRank(Technique):
+    """Test-only: every rank refuses the run (a ConfigError) in its first step, rank 0 a second after the others,
+    as when each rank checks its own device (comm_compression's PowerSGD check)."""
+
+    name = "refuse"
+
+    def after_backward(self, model, progress) -> None:
+        if dist.get_rank() == 0:
+            time.sleep(1.0)
+        raise ConfigError("refused by every rank")
+
+
+@pytest.mark.slow
+def test_a_config_error_in_every_worker_is_rank_0s_one_line_when_another_rank_reports_first(tmp_path, capfd):
+    with pytest.raises(WorkerDied) as died:
+        train(tmp_path / "run", RUN + ["dist.world_size=2", "dist.procs=2",
+                                       f"+technique.refuse._target_={__name__}.RefuseInEveryRank"])
+    assert str(died.value) == "" and not died.value.restartable  # `lbt train` adds no line and exits 2
+    err = capfd.readouterr().err
+    assert [line for line in err.splitlines() if line.strip()] == ["lbt: error: refused by every rank"], err
+
+
 def checkpointed(finished: Path, tmp_path: Path) -> Path:
     """The finished run with only its first checkpoint (step 4): the one the disk-full run must keep."""
     run_dir = interrupted(finished, tmp_path)

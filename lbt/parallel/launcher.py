@@ -291,8 +291,9 @@ def _stop_all(processes: list, failed: list[int], procs: int, errors: str) -> No
     reports = _reports(errors)
     cause = _cause(codes, failed, reports)
     report = reports.get(cause, {})
-    if codes[cause] == 2 and cause == 0:
-        # A config error inside the worker: rank 0 already printed its one line.
+    if codes[cause] == 2 and codes.get(0) == 2:
+        # A config error inside the workers: rank 0 already printed its one line, also when another rank,
+        # refusing the same thing, reported first.
         raise WorkerDied("", retry=False)
     how = _exit_reason(codes[cause])
     why = f": {report['message']}" if report.get("message") else f" ({how})"
