@@ -1,7 +1,9 @@
 """Bad input ends with one clear line and a non-zero exit: no traceback, no hang."""
 
 import pytest
-from conftest import FAST, lbt_cli
+from conftest import FAST, compose_config, lbt_cli
+
+from lbt.errors import ConfigError
 
 CASES = {
     "global_batch_not_divisible": (["dist.world_size=3", "trainer.global_batch=64"], "not divisible"),
@@ -168,11 +170,13 @@ def test_report_target_refused_in_one_line(text, expected, tmp_path, capfd):
 
 
 def test_more_nccl_processes_than_gpus_is_one_line(tmp_path, capfd, monkeypatch):
-    """Two NCCL ranks on one GPU fail inside NCCL ("invalid usage") or hang: refused before any worker starts.
-    The machine is told it has one GPU (the check reads only the count); CPU runs and gloo are let through."""
+    """Two NCCL ranks on one GPU fail inside NCCL ("invalid usage") or hang: lbt's launcher refuses to start
+    them. The machine is told it has one GPU (the check reads only the count); CPU runs, gloo, and processes
+    another launcher placed (torchrun, one GPU per SLURM task) are let through."""
     import torch
 
-    from lbt.engine.worker import check_backend
+    from lbt.engine import make_spec
+    from lbt.engine.worker import check_gpus_per_process
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -181,7 +185,14 @@ def test_more_nccl_processes_than_gpus_is_one_line(tmp_path, capfd, monkeypatch)
                           f"hydra.run.dir={tmp_path}"], capfd)
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1, err
-    assert lines[0] == ("lbt: error: 2 processes on this machine and 1 CUDA GPU: NCCL needs a GPU per process; "
-                        "use dist.procs<=1 (dist.world_size workers are simulated on them) or trainer.device=cpu")
+    assert lines[0] == ("lbt: error: dist.procs=2 NCCL processes and this machine has 1 CUDA GPU: NCCL needs a GPU "
+                        "per process; start at most 1 (the dist.world_size workers are simulated on them) "
+                        "or trainer.device=cpu")
+    with pytest.raises(ConfigError, match=r"start at most 1 \(the dist.world_size workers are simulated on them\)$"):
+        check_gpus_per_process("nccl", "cuda", 2)  # no trainer.device=cpu offered: NCCL refuses the CPU
     for backend, device, procs in (("auto", "cpu", 2), ("gloo", "auto", 2), ("auto", "auto", 1), ("nccl", "cuda", 1)):
-        check_backend(backend, device, procs)  # none of these is refused
+        check_gpus_per_process(backend, device, procs)  # none of these is refused
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)  # started by torchrun: its placement stands
+    config, recipe = compose_config(["data=synthetic", "dist.world_size=4"])
+    assert make_spec(config, recipe).procs == 2

@@ -49,8 +49,9 @@ def make_spec(config: Mapping[str, Any], recipe: str | None = None, overrides: l
     """The RunSpec of a composed config on this machine (torchrun's process count, the CUDA devices)."""
     env = pg.torchrun_env()
     spec = build_spec(config, Launch(env["procs"] if env else None, pg.default_procs()), recipe, overrides)
-    check_backend(spec.dist.backend, spec.trainer.device, env["local_procs"] if env else spec.procs)
+    check_backend(spec.dist.backend, spec.trainer.device)
     if env is None:  # lbt's launcher will start them: the machine must have room (torchrun's are started)
+        check_gpus_per_process(spec.dist.backend, spec.trainer.device, spec.procs)
         launcher.check_resources(spec.procs, spec.dist.allow_oversubscribe)
     return spec
 
@@ -157,24 +158,30 @@ def launch_with_restarts(spec: RunSpec, run_dir: str) -> list[dict]:
         spec = spec.with_trainer(resume="auto")
 
 
-def check_backend(backend: str, device: str, local_procs: int) -> None:
-    """NCCL moves CUDA tensors only, one GPU per process: refused up front, not as a worker's unexplained exit
-    (two NCCL ranks on one GPU fail with NCCL's "invalid usage", or hang)."""
-    gpus = torch.cuda.device_count()
-    if backend == "auto" and (device == "cpu" or gpus == 0):
-        return  # gloo
-    if backend == "gloo":
+def check_backend(backend: str, device: str) -> None:
+    """NCCL moves CUDA tensors only: refused up front on a CPU run, not as a worker's unexplained exit."""
+    if backend != "nccl":
         return
     if device == "cpu":
         raise ConfigError("dist.backend=nccl with trainer.device=cpu: NCCL only moves CUDA tensors; "
                           "use dist.backend=gloo (or auto)")
-    if gpus == 0:
+    if not torch.cuda.is_available():
         raise ConfigError("dist.backend=nccl needs CUDA GPUs and this machine has none: "
                           "use dist.backend=auto (gloo on CPU) or gloo")
-    if local_procs > gpus:
-        raise ConfigError(f"{local_procs} processes on this machine and {gpus} CUDA GPU{'s' * (gpus > 1)}: NCCL "
-                          f"needs a GPU per process; use dist.procs<={gpus} (dist.world_size workers are "
-                          "simulated on them) or trainer.device=cpu")
+
+
+def check_gpus_per_process(backend: str, device: str, procs: int) -> None:
+    """NCCL wants a GPU per process: lbt's launcher does not start more NCCL processes than this machine has
+    GPUs (two NCCL ranks on one GPU fail with NCCL's "invalid usage", or hang). Under torchrun or another
+    launcher the user placed the processes (one GPU per SLURM task, say), and they are left alone."""
+    gpus = torch.cuda.device_count()
+    nccl = backend == "nccl" or (backend == "auto" and device != "cpu")
+    if not nccl or gpus == 0 or procs <= gpus:
+        return
+    fallback = " or trainer.device=cpu" if backend == "auto" else ""
+    raise ConfigError(f"dist.procs={procs} NCCL processes and this machine has {gpus} CUDA GPU{'s' * (gpus > 1)}: "
+                      f"NCCL needs a GPU per process; start at most {gpus} (the dist.world_size workers are "
+                      f"simulated on them){fallback}")
 
 
 def finished_run(spec: RunSpec, run_dir: str | Path) -> RunResult | None:
