@@ -176,3 +176,18 @@ def test_refusals_are_one_line_from_the_command_line_with_two_processes(tmp_path
         assert refused.returncode == 2 and len(lines) == 1 and lines[0].startswith("lbt: error:"), refused.stderr
         assert expected in lines[0]
         assert same_snapshot(snapshot(tmp_path / "run"), before)  # refused before Hydra writes its .hydra/ config
+
+
+def test_the_exported_model_moves_each_tensor_once_and_keeps_tied_weights_tied():
+    """final_model.pt's tensors are moved to the CPU (here, for want of a GPU, from the CPU to "meta"): tensors
+    sharing memory, as a tied embedding and head do in a state dict, stay one tensor."""
+    from lbt.engine.checkpoint import moved
+
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10))
+    model[1].weight = model[0].weight  # tied, as lbt's GPT ties its head to its token embedding
+    state = model.state_dict()
+    assert state["0.weight"] is not state["1.weight"]  # state_dict detaches each name on its own
+    out = moved({**state, "step": 3}, torch.device("meta"))
+    assert all(v.device.type == "meta" for k, v in out.items() if k != "step") and out["step"] == 3
+    assert out["0.weight"] is out["1.weight"] and out["1.bias"] is not out["0.weight"]
+    assert moved(state, torch.device("cpu"))["1.bias"] is state["1.bias"]  # already there: not copied

@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -315,6 +316,23 @@ def full_state(state: dict, ctx: DistContext) -> dict:
     return full_tensors(state) if ctx.tensor_parallel > 1 or ctx.sharded else state
 
 
+def moved(state: dict, device: torch.device) -> dict:
+    """`state` with its tensors on `device`, each tensor copied once: tensors that share memory (a tied
+    embedding and head) stay one tensor, as torch.save keeps them."""
+    copies: dict[tuple, torch.Tensor] = {}
+
+    def move(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or value.device == device:
+            return value
+        key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), value.stride(),
+               value.dtype)
+        if key not in copies:
+            copies[key] = value.to(device)
+        return copies[key]
+
+    return {name: move(value) for name, value in state.items()}
+
+
 def exported_model(model: torch.nn.Module, ctx: DistContext) -> dict:
     """The trained model as one ordinary state dict of whole CPU tensors on rank 0 (the others get {}), for
     final_model.pt, which then loads on a machine without the GPU it was trained on. A sharded model is
@@ -322,7 +340,7 @@ def exported_model(model: torch.nn.Module, ctx: DistContext) -> dict:
     its training state (a collective: every rank calls it)."""
     if not ctx.sharded:
         state = full_state(model.state_dict(), ctx)
-        return {name: value.cpu() if isinstance(value, torch.Tensor) else value for name, value in state.items()}
+        return moved(state, torch.device("cpu")) if ctx.is_main else {}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
