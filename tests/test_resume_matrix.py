@@ -144,6 +144,7 @@ def test_a_stop_at_an_epochs_end_after_its_checkpoint_stops_cleanly_and_resumes_
         assert resumed[key] == straight[key], key
 
 
+@POWERSGD_ON_CPU
 def test_powersgd_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
     """Each rank's error feedback, warm-start P/Q, step count and numpy RNG: saved as copies, loaded back."""
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState

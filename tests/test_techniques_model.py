@@ -159,14 +159,15 @@ def test_ghost_batch_norm_keeps_channels_last_and_equals_each_workers_batch_norm
     fused = x.clone().requires_grad_()
     out = ghost_batch_norm(fused, 4, weight, bias, 1e-5, ghost_mean, ghost_var, momentum=0.1)
     assert out.is_contiguous(memory_format=torch.channels_last) and not out.is_contiguous()
-    per_worker, chunk_means = x.clone().requires_grad_(), []
-    chunk_outs = []
+    per_worker, chunk_outs, chunk_means, chunk_vars = x.clone().requires_grad_(), [], [], []
     for chunk in per_worker.split(4):
         m, v = mean.clone(), var.clone()
         chunk_outs.append(F.batch_norm(chunk, m, v, weight, bias, True, 0.1, 1e-5))
         chunk_means.append(m)
+        chunk_vars.append(v)
     assert torch.equal(out, torch.cat(chunk_outs))
     torch.testing.assert_close(ghost_mean, torch.stack(chunk_means).mean(0))
+    torch.testing.assert_close(ghost_var, torch.stack(chunk_vars).mean(0))
     out.pow(2).sum().backward()
     torch.cat(chunk_outs).pow(2).sum().backward()
     torch.testing.assert_close(fused.grad, per_worker.grad)
