@@ -31,6 +31,7 @@ import torch
 from _common import build_data, build_model, compose, headline, interleaved, median, pair_ratios, spread
 
 from lbt.engine import make_spec, run
+from lbt.errors import ConfigError
 
 NO_GPU = "bench/gpu.py: no CUDA GPU on this machine; nothing measured (it compares lbt with a plain loop on a GPU)"
 GPU_BASE = ["trainer.progress=false", "trainer.device=cuda", "trainer.precision=bf16", "trainer.channels_last=true",
@@ -115,6 +116,17 @@ def measure_variants(name: str, steps: int, variants: list[str], repeats: int) -
     return rows
 
 
+def variant_error(model: str, variants: list[str]) -> str | None:
+    """A --variant that lbt refuses, said before any measurement rather than after the first model's."""
+    for variant in variants:
+        overrides = lbt_overrides(model, 8, 1, (variant,))
+        try:
+            make_spec(*compose(overrides), overrides)
+        except ConfigError as error:
+            return f"bench/gpu.py: --variant {variant}: {error}"
+    return None
+
+
 def print_variants(rows: list[str]) -> None:
     if rows:
         print("\n| model | variant | lbt W=1 samples/s | lbt W=8 simulated samples/s | W=8 / W=1 | W=8 step split |")
@@ -133,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print(NO_GPU)
         return 0
+    if (error := variant_error(args.models[0], args.variant)) is not None:
+        print(error)
+        return 2
     repeats = args.repeats or (1 if args.quick else 3)
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}", flush=True)
     rows, ratios, variant_rows = [], {}, []
