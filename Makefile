@@ -32,8 +32,10 @@ lint: setup
 	$(BIN)/mypy
 
 # Two test files at a time (pytest-xdist; a file's tests and fixtures stay in one worker): a test waiting on
-# the processes it started leaves a core to the other file.
-PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile
+# the processes it started leaves a core to the other file. A worker that dies ends the run at once, naming its
+# test ("worker gwN crashed while running ..."): replaced, under --dist loadfile it can leave the run waiting
+# forever (pytest-dev/pytest-xdist#784; seen here once, a worker aborted by a C++ "Resource deadlock avoided").
+PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile --max-worker-restart=0
 
 test: lint
 	$(PYTEST) $(ARGS)
