@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -48,9 +49,16 @@ BASE_ONLY = [1, 4]  # the base recipe's extra world sizes: the reference batch (
 
 
 def tune(args: list[str], log: Path) -> int:
+    """`lbt tune`'s exit code. A stop is the tune's to make: Ctrl-C reaches it too and SIGTERM is passed on,
+    and this waits for it (subprocess.run would kill it 0.25 s after a Ctrl-C, its trials left running)."""
     with open(log, "a") as out:
-        command = [sys.executable, "-m", "lbt", "tune", *args]
-        return subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode
+        proc = subprocess.Popen([sys.executable, "-m", "lbt", "tune", *args], stdout=out, stderr=subprocess.STDOUT)
+        signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum))
+        while True:
+            try:
+                return proc.wait()
+            except KeyboardInterrupt:
+                continue
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -87,6 +95,9 @@ def main(argv: list[str] | None = None) -> None:
         groups.append([f"recipe={','.join(recipes[1:])}", f"dist.world_size={','.join(map(str, world_sizes))}"])
     for group in groups:
         code = tune([*group, *common], folder / "tune.log")
+        if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+            print(f"bench/fair.py: stopped; the same command continues it ({folder}/tune.log)", file=sys.stderr)
+            sys.exit(code)
         if code:
             sys.exit(f"bench/fair.py: lbt tune {' '.join(group)} failed (exit {code}); see {folder}/tune.log")
     summary = json.loads((folder / "tune_summary.json").read_text())

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -112,6 +117,27 @@ def test_probe_end_to_end_and_continued_without_training_a_branch_twice(tmp_path
     assert retrained == lost  # the finished ones were read, not trained again or overwritten
     assert "base run ->" not in out  # the finished base run too
     assert json.loads((folder / "probe.json").read_text())["answer"] == answer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_probe_stopped_among_its_branches_exits_with_the_signals_code(tmp_path, sig):
+    """Told to stop once its branches started: the signal's code and the command that continues it (before,
+    a SIGTERM there was a config mistake, exit 2); the same command then finishes the probe."""
+    args = ["probe", *PROBE, f"probe.dir={tmp_path / 'probe'}"]
+    job = subprocess.Popen([sys.executable, "-m", "lbt", *args], cwd=tmp_path, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert job.stdout is not None
+    for line in job.stdout:
+        if re.match(r"probe: \d+ branch\(es\) at 2x", line):
+            break
+    job.send_signal(sig)
+    _, err = job.communicate(timeout=120)
+    assert job.returncode == 128 + sig and "Traceback" not in err, (job.returncode, err)
+    said = f"lbt: probe stopped; finished runs are kept. Continue with: lbt {' '.join(args)}"
+    assert err.strip().splitlines()[-1] == said
+    again = lbt_cli(args, cwd=tmp_path, timeout=300)
+    assert again.returncode == 0 and "probe finished" in again.stdout, again.stderr[-2000:]
 
 
 @pytest.mark.parametrize("args, says", [

@@ -1,7 +1,10 @@
 """`lbt tune`: the same tuning budget for every (recipe, global batch) cell, chosen on val (lbt/apps/tune/)."""
 
 import json
+import os
 import re
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -104,6 +107,37 @@ def test_tune_a_tiny_grid_then_the_same_command_runs_nothing_new(tmp_path, capfd
     assert code == 0, err
     assert "0 new trials, 0 new final runs" in out
     assert len(json.loads((folder / "tune_summary.json").read_text())["cells"]) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stopped_tune_exits_with_the_signals_code_and_the_same_command_continues_it(tmp_path, sig):
+    """Told to stop after its first trial (mid-run or between runs), with a helper worker: the signal's exit
+    code, its helper stopped with it, no finished trial lost; the same command finishes the grid."""
+    folder = tmp_path / "tune"
+    args = ["tune", *TINY, "trainer.epochs=6", "recipe=baseline", "dist.world_size=1,4", "tune.trials=3",
+            "tune.seeds=1", "tune.workers=2", f"tune.dir={folder}"]
+    job = subprocess.Popen([sys.executable, "-m", "lbt", *args], cwd=tmp_path, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert job.stdout is not None
+    for line in job.stdout:
+        if re.search(r"\] trial \d+ \(", line):
+            break
+    job.send_signal(sig)
+    out, err = job.communicate(timeout=120)
+    assert job.returncode == 128 + sig and "Traceback" not in err, (job.returncode, err)
+    assert "tune: stopped; run the same command again to continue" in out
+    stopped = trials_in(folder)
+    assert not [t for states in stopped.values() for t in states if t[1] == "RUNNING"], stopped  # the helper too
+    complete = {(name, n) for name, states in stopped.items() for n, state in states if state == "COMPLETE"}
+    assert complete and not (folder / "tune_summary.json").exists()
+
+    again = lbt_cli(args, cwd=tmp_path, timeout=300)
+    assert again.returncode == 0, again.stderr
+    after = trials_in(folder)
+    assert complete <= {(name, n) for name, states in after.items() for n, state in states if state == "COMPLETE"}
+    assert all(sum(state == "COMPLETE" for _, state in states) == 3 for states in after.values())
+    assert len(json.loads((folder / "tune_summary.json").read_text())["cells"]) == 2
 
 
 def test_fit_exponent_recovers_a_power_law():

@@ -6,8 +6,33 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Mapping, NoReturn
+from typing import Any, Iterator, Mapping, NoReturn
+
+
+class Stopped(Exception):
+    """A command of many runs (tune, probe) told to stop: it ends with 128 + `signum`, and the same command
+    continues it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextmanager
+def stop_between_runs() -> Iterator[None]:
+    """SIGTERM and SIGINT raise Stopped between runs (a run takes both over while it trains, and stops with a
+    checkpoint): Python's default SIGTERM would end the command at once, its helpers left running."""
+    def stop(signum: int, frame: Any) -> None:
+        raise Stopped(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def fail(message: str) -> NoReturn:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -25,7 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from lbt.apps.compose import compose
-from lbt.apps.errors import fail
+from lbt.apps.errors import Stopped, fail, stop_between_runs
 from lbt.apps.estimate import duration, timed_rate
 from lbt.apps.probe.analysis import analyse, branch_dir, branch_done, checkpoint_numbers, verdicts
 from lbt.apps.probe.output import write_outputs
@@ -36,6 +37,7 @@ from lbt.engine import make_spec
 from lbt.engine.build import build_data
 from lbt.errors import ConfigError
 from lbt.metrics.text_log import CONSOLE
+from lbt.parallel.stop import stop_asked, stopped_by
 from lbt.spec.result import ResultError, read_result
 from lbt.spec.run import RunSpec
 
@@ -75,15 +77,16 @@ def probe_command(args: list[str]) -> None:
     given = [a for a in args if a.startswith("probe.") and not a.startswith("probe.dir=")]
     again = f"lbt probe {' '.join([*overrides, *given])} probe.dir={folder}"
     try:
-        with console("silent"):  # the timed steps say nothing (each job's train.log has all it says)
-            say_cost(spec, plan, folder)
-        with console("brief"):  # the base run's epochs, without its config
-            base = run_base(folder, plan, overrides, again)
-        with console("quiet"):  # a branch's closing line only
-            run_branches(folder, plan, settings, overrides, base, again)
-    except KeyboardInterrupt:
+        with stop_between_runs():
+            with console("silent"):  # the timed steps say nothing (each job's train.log has all it says)
+                say_cost(spec, plan, folder)
+            with console("brief"):  # the base run's epochs, without its config
+                base = run_base(folder, plan, overrides, again)
+            with console("quiet"):  # a branch's closing line only
+                run_branches(folder, plan, settings, overrides, base, again)
+    except (Stopped, KeyboardInterrupt) as stop:
         print(f"\nlbt: probe stopped; finished runs are kept. Continue with: {again}", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(128 + (stop.signum if isinstance(stop, Stopped) else signal.SIGINT))
     probe = analyse(folder, plan, settings, base)
     probe["cost"]["command_seconds"] = round(time.perf_counter() - started, 1)  # this invocation (a rerun reads)
     write_outputs(folder, probe)
@@ -197,6 +200,8 @@ def run_branches(folder: Path, plan: ProbePlan, settings: ProbeSettings, overrid
                   flush=True)
             multirun([*common, f"dist.world_size={factor * plan.world_size}", f"trainer.seed={seed}",
                       f"trainer.branch_at={','.join(str(c) for c in todo)}"])
+            if not all(branch_done(folder, plan, c, factor, seed) for c in todo) and stop_asked() is not None:
+                raise Stopped(stopped_by())  # told to stop while a branch trained
             if not all(branch_done(folder, plan, c, factor, seed) for c in todo):
                 fail(f"branches did not finish (stopped?); continue the probe with: {again}")
 

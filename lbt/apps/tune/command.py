@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 import os
+import signal
+import sys
 import time
 
 import optuna
 
+from lbt.apps.errors import Stopped, stop_between_runs
 from lbt.apps.tune.grid import TuneGrid, tune_grid
 from lbt.apps.tune.storage import TuneStorage, claim_lock, open_storage
-from lbt.apps.tune.trials import Stopped, open_study
+from lbt.apps.tune.trials import open_study
 from lbt.apps.tune.workers import HELPER, helpers, work, write_report_once
 from lbt.errors import ConfigError
 
 
-def tune(args: list[str]) -> dict | None:
-    """Tune every cell, train the finals, write the report; return its summary (None if stopped).
+def tune(args: list[str]) -> dict:
+    """Tune every cell, train the finals, write the report; return its summary.
 
     This process is one worker (workers.py); tune.workers=N starts N - 1 more beside it, and other
-    `lbt tune` commands on the same tune.dir and storage are workers of the same tune.
+    `lbt tune` commands on the same tune.dir and storage are workers of the same tune. Told to stop
+    (SIGINT, SIGTERM), it exits with the signal's code, 130 or 143, and the same command continues it.
     """
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # one line per trial is printed here instead
     grid = tune_grid(args)
@@ -36,12 +40,12 @@ def tune(args: list[str]) -> dict | None:
     with claim_lock(folder):
         studies = [[open_study(storage.optuna, grid, cell, k) for k in range(s.studies)] for cell in grid.cells]
     try:
-        with helpers(args, 1 if helper else s.workers):
+        with stop_between_runs(), helpers(args, 1 if helper else s.workers):
             work(grid, storage, studies, new_runs)
         summary, written = write_report_once(grid, storage)
-    except (Stopped, KeyboardInterrupt):
+    except (Stopped, KeyboardInterrupt) as stop:
         print(f"tune: stopped; run the same command again to continue ({folder})", flush=True)
-        return None
+        sys.exit(128 + (stop.signum if isinstance(stop, Stopped) else signal.SIGINT))
     if helper:
         return summary
     print(f"tune finished in {time.perf_counter() - started:.0f} s: {count(new_runs['trials'], 'new trial')}, "

@@ -10,9 +10,9 @@ from typing import Any
 
 import optuna
 
+from lbt.apps.errors import Stopped
 from lbt.apps.tune.grid import Cell, TuneGrid
 from lbt.apps.tune.trials import (
-    Stopped,
     TrialState,
     final_value,
     hydra_value,
@@ -22,6 +22,7 @@ from lbt.apps.tune.trials import (
 )
 from lbt.errors import ConfigError
 from lbt.metrics.spread import mean_std
+from lbt.parallel.stop import stopped_by
 from lbt.paths import atomic_write
 from lbt.spec.objective import Metric
 from lbt.spec.result import RunResult, read_result
@@ -182,7 +183,7 @@ def final_run(grid: TuneGrid, cell: Cell, kind: str, params: dict, seed: int, ne
     result = train_run(grid, cell, values + marks, run_dir, {"params": params},
                        resume=(run_dir / "checkpoint").is_dir(), shown_overrides=marks)
     if result.stopped:
-        raise Stopped
+        raise Stopped(stopped_by())
     new_runs["finals"] += 1
     m = grid.settings.metric.name
     test = getattr(result, f"test_{m}")

@@ -16,11 +16,13 @@ import numpy
 import optuna
 
 from lbt.apps.compose import compose
+from lbt.apps.errors import Stopped
 from lbt.apps.tune.grid import Cell, Settings, TuneGrid
 from lbt.apps.tune.storage import TuneStorage, claim_lock, fail_stale, heartbeat, mark_mine, redacted, storage_name
 from lbt.engine import make_spec, run
 from lbt.errors import ConfigError
 from lbt.metrics.critical import crossing_step
+from lbt.parallel.stop import stopped_by
 from lbt.spec.objective import ACC, Metric
 from lbt.spec.result import EvalPoint, RunResult
 from lbt.techniques.base import Technique
@@ -28,10 +30,6 @@ from lbt.techniques.base import Technique
 # Overrides that change how a run is shown, not what it measures: a tune continued with others is the same tune.
 PRESENTATION_KEYS = ("trainer.threads", "trainer.progress")
 TrialState = optuna.trial.TrialState
-
-
-class Stopped(Exception):
-    """A run was stopped by SIGTERM/SIGINT: the tune stops, to be continued by the same command."""
 
 
 class PruneOnVal(Technique):
@@ -183,7 +181,7 @@ def run_trial(study: optuna.Study, grid: TuneGrid, cell: Cell, claim: Claim, sto
         raise
     if result.stopped:
         tell(study, trial, state=TrialState.FAIL)
-        raise Stopped
+        raise Stopped(stopped_by())
     value, steps = record(trial, result, grid.settings)
     # A diverged trial spent the budget like any other: it counts, with the worst value (accuracy 0, loss inf;
     # steps to target inf, as a run that misses the target: AlgoPerf's rule).
