@@ -192,6 +192,15 @@ def test_more_nccl_processes_than_gpus_is_one_line(tmp_path, capfd, monkeypatch)
         check_gpus_per_process("nccl", "cuda", 2)  # no trainer.device=cpu offered: NCCL refuses the CPU
     for backend, device, procs in (("auto", "cpu", 2), ("gloo", "auto", 2), ("auto", "auto", 1), ("nccl", "cuda", 1)):
         check_gpus_per_process(backend, device, procs)  # none of these is refused
+    # Tensor parallelism: dist.procs is a multiple of dist.tensor_parallel, so the advice says which to change.
+    with pytest.raises(ConfigError, match=r"^dist.tensor_parallel=2 NCCL processes .* give dist.tensor_parallel at "
+                                          r"most 1 or trainer.device=cpu$"):
+        check_gpus_per_process("auto", "auto", 2, tensor_parallel=2)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    with pytest.raises(ConfigError, match=r"^dist.procs=4 .* 3 CUDA GPUs: .* start at most 2, a multiple of "
+                                          r"dist.tensor_parallel=2 \("):
+        check_gpus_per_process("nccl", "cuda", 4, tensor_parallel=2)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2")):
         monkeypatch.setenv(name, value)  # started by torchrun: its placement stands
     config, recipe = compose_config(["data=synthetic", "dist.world_size=4"])

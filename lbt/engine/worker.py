@@ -51,7 +51,7 @@ def make_spec(config: Mapping[str, Any], recipe: str | None = None, overrides: l
     spec = build_spec(config, Launch(env["procs"] if env else None, pg.default_procs()), recipe, overrides)
     check_backend(spec.dist.backend, spec.trainer.device)
     if env is None:  # lbt's launcher will start them: the machine must have room (torchrun's are started)
-        check_gpus_per_process(spec.dist.backend, spec.trainer.device, spec.procs)
+        check_gpus_per_process(spec.dist.backend, spec.trainer.device, spec.procs, spec.layout.tensor_parallel)
         launcher.check_resources(spec.procs, spec.dist.allow_oversubscribe)
     return spec
 
@@ -170,7 +170,7 @@ def check_backend(backend: str, device: str) -> None:
                           "use dist.backend=auto (gloo on CPU) or gloo")
 
 
-def check_gpus_per_process(backend: str, device: str, procs: int) -> None:
+def check_gpus_per_process(backend: str, device: str, procs: int, tensor_parallel: int = 1) -> None:
     """NCCL wants a GPU per process: lbt's launcher does not start more NCCL processes than this machine has
     GPUs (two NCCL ranks on one GPU fail with NCCL's "invalid usage", or hang). Under torchrun or another
     launcher the user placed the processes (one GPU per SLURM task, say), and they are left alone."""
@@ -179,8 +179,13 @@ def check_gpus_per_process(backend: str, device: str, procs: int) -> None:
     if not nccl or gpus == 0 or procs <= gpus:
         return
     fallback = " or trainer.device=cpu" if backend == "auto" else ""
-    raise ConfigError(f"dist.procs={procs} NCCL processes and this machine has {gpus} CUDA GPU{'s' * (gpus > 1)}: "
-                      f"NCCL needs a GPU per process; start at most {gpus} (the dist.world_size workers are "
+    has = f"NCCL processes and this machine has {gpus} CUDA GPU{'s' * (gpus > 1)}: NCCL needs a GPU per process"
+    if tensor_parallel > gpus:  # dist.procs is a multiple of it: no fewer processes fit
+        raise ConfigError(f"dist.tensor_parallel={tensor_parallel} {has}; give dist.tensor_parallel at most "
+                          f"{gpus}{fallback}")
+    most = gpus // tensor_parallel * tensor_parallel
+    group = f", a multiple of dist.tensor_parallel={tensor_parallel}" if tensor_parallel > 1 else ""
+    raise ConfigError(f"dist.procs={procs} {has}; start at most {most}{group} (the dist.world_size workers are "
                       f"simulated on them){fallback}")
 
 
