@@ -1,6 +1,7 @@
 """What each optimizer costs per step and per parameter, against AdamW, at transformer1d's size.
 
     python bench/optim_cost.py [--model transformer1d] [--repeats 7] [--steps 40] [--threads 1] [--profile soap]
+    python bench/optim_cost.py --also soap_heavyball=optim=soap,optim.optimizer_class=heavyball.SOAP
 
 The model, optimizer and loss are built from the composed config (`model=M optim=O`), as `lbt train`
 builds them (bench/_common.build_model); every contender trains the same MNIST-1D batches of 64 from the
@@ -13,8 +14,10 @@ Memory per parameter: the bytes of the optimizer's state tensors (momenta, secon
 preconditioner factors, schedule-free's z) over the trainable parameters, so AdamW's is 8 (two fp32
 tensors), SGD-momentum's 4; the parameters and gradients themselves (8 more) are every optimizer's.
 
-`--profile NAME` also breaks NAME's `optimizer.step` down by operator (torch.profiler, self CPU time per step):
-where an optimizer's cost is arithmetic (matrix products, decompositions) and where it is dispatch.
+`--also NAME=OVERRIDES` (repeatable) adds a contender built from comma-separated overrides, e.g. another
+implementation of an optimizer under the same settings. `--profile NAME` also breaks NAME's `optimizer.step`
+down by operator (torch.profiler, self CPU time per step): where an optimizer's cost is arithmetic (matrix
+products, decompositions) and where it is dispatch.
 
 The last line: `step_ratio_max=<the largest step time / AdamW's among the new optimizers>`.
 """
@@ -46,10 +49,10 @@ def tensor_bytes(value) -> int:
     return 0
 
 
-def contender(name: str, model_name: str, steps: int, batches: list) -> tuple:
+def contender(overrides: list[str], model_name: str, steps: int, batches: list) -> tuple:
     """A timing function for `interleaved` (returning optimizer steps per second) and the optimizer's state
     bytes per parameter after a few steps."""
-    config, _ = compose([f"model={model_name}", f"optim={name}", "trainer.device=cpu"])
+    config, _ = compose([f"model={model_name}", *overrides, "trainer.device=cpu"])
     data = build_data(config)
     model, optimizer, loss_fn = build_model(config, data)
     train = getattr(optimizer, "train", None)
@@ -110,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=40, help="steps per timed repeat")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--profile", help="an optim to break down by operator after the table (e.g. soap)")
+    parser.add_argument("--also", action="append", default=[], metavar="NAME=OVERRIDES",
+                        help="one more contender: comma-separated overrides (repeatable)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     config, _ = compose([f"model={args.model}", "trainer.device=cpu"])
@@ -119,8 +124,9 @@ def main(argv: list[str] | None = None) -> None:
     batches = [(torch.stack([data.train[int(i)][0] for i in order[k:k + BATCH]]),
                 torch.tensor([int(data.train[int(i)][1]) for i in order[k:k + BATCH]]))
                for k in range(0, len(order), BATCH)]
-    names = (BASELINE, *NEW, *OTHERS)
-    built = {name: contender(name, args.model, args.steps, batches) for name in names}
+    contenders = {name: [f"optim={name}"] for name in (BASELINE, *NEW, *OTHERS)}
+    contenders |= {name: overrides.split(",") for name, overrides in (also.split("=", 1) for also in args.also)}
+    built = {name: contender(overrides, args.model, args.steps, batches) for name, overrides in contenders.items()}
     print(f"{describe_machine()}; model={args.model} ({next(iter(built.values()))[3]:,} parameters), batch {BATCH}, "
           f"{args.threads} thread(s), {args.repeats} repeats x {args.steps} steps")
     interleaved({name: b[0] for name, b in built.items()}, args.repeats)
