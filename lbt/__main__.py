@@ -1,17 +1,16 @@
 """`lbt ...`, `python -m lbt ...` and `torchrun ... -m lbt train ...`: one entry point.
 
 The installed `lbt` script calls `run` too, so a stop that arrives while torch and Hydra import (the
-first seconds) is a stop, exit 143/130 with its line, not a KeyboardInterrupt traceback.
+first seconds), or while a command with no stop of its own runs (report, plan, tokens), is a stop: exit
+143/130 with its line, not a KeyboardInterrupt traceback. Commands of runs (train, study, tune, probe)
+take the signals over while they can stop cleanly.
 """
-
-import sys
 
 
 def run() -> None:
-    if sys.argv[1:2] == ["train"]:
-        from lbt.apps.errors import exit_when_stopped  # light: no torch, no Hydra
+    from lbt.apps.errors import exit_when_stopped  # light: no torch, no Hydra
 
-        exit_when_stopped()
+    exit_when_stopped()
     from lbt.apps.cli import main
 
     main()

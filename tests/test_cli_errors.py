@@ -1,5 +1,10 @@
 """Bad input ends with one clear line and a non-zero exit: no traceback, no hang."""
 
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 from conftest import FAST, compose_config, lbt_cli
 
@@ -205,3 +210,26 @@ def test_more_nccl_processes_than_gpus_is_one_line(tmp_path, capfd, monkeypatch)
         monkeypatch.setenv(name, value)  # started by torchrun: its placement stands
     config, recipe = compose_config(["data=synthetic", "dist.world_size=4"])
     assert make_spec(config, recipe).procs == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", [["report", "no_such_folder"], ["plan", "--model", "mlp", "--step-ms", "5"]])
+def test_ctrl_c_in_a_command_without_runs_is_one_line_and_130(tmp_path, command):
+    """Ctrl-C while report or plan imports or works was a KeyboardInterrupt traceback (once a half-imported
+    numpy's AttributeError). The process is frozen (SIGSTOP) while it is sent SIGINT, so the signal lands
+    at that moment however fast the machine: after lbt's first module and 0 to 0.7 s more."""
+    args = [sys.executable, "-X", "importtime", "-m", "lbt", *command]
+    for delay in (0.0, 0.2, 0.7):
+        job = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert job.stderr is not None
+        for line in job.stderr:  # lbt.apps.errors imported: the stop handler is installed next
+            if line.split("|")[-1].strip() == "lbt.apps.errors":
+                break
+        time.sleep(delay)
+        job.send_signal(signal.SIGSTOP)
+        job.send_signal(signal.SIGINT)
+        job.send_signal(signal.SIGCONT)
+        _, err = job.communicate(timeout=60)
+        err = "\n".join(line for line in err.splitlines() if not line.startswith("import time:"))
+        assert job.returncode == 130, (delay, job.returncode, err)
+        assert err.strip() == "lbt: stopped (SIGINT); rerun the same command to continue", (delay, err)

@@ -46,7 +46,7 @@ commands:
 
 
 def main(argv: list[str] | None = None) -> None:
-    if argv is None and sys.argv[1:2] == ["train"]:  # the command's own process: a stop is exit 143/130
+    if argv is None:  # the command's own process: a stop is exit 143/130 (lbt/__main__.py)
         exit_when_stopped()
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):

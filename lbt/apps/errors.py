@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, NoReturn
 
 
-class Stopped(Exception):
+class Stopped(BaseException):
     """A command of many runs (tune, probe) told to stop: it ends with 128 + `signum`, and the same command
-    continues it."""
+    continues it. A BaseException, as KeyboardInterrupt: raised by a signal handler anywhere, it must pass
+    through libraries' `except Exception` (OmegaConf's re-raised it as another Stopped, its message for signum)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)

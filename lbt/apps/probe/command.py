@@ -38,6 +38,7 @@ from lbt.engine.build import build_data
 from lbt.errors import ConfigError
 from lbt.metrics.text_log import CONSOLE
 from lbt.parallel.stop import stop_asked, stopped_by
+from lbt.paths import atomic_write
 from lbt.spec.result import ResultError, read_result
 from lbt.spec.run import RunSpec
 
@@ -133,7 +134,7 @@ def claim_folder(folder: Path, settings: ProbeSettings, overrides: list[str]) ->
     elif folder.exists() and any(folder.iterdir()):
         fail(f"probe.dir={folder} is not empty and holds no probe: give a new folder")
     folder.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1))
+    atomic_write(path, lambda out: out.write(json.dumps(record, indent=1).encode()))  # stopped mid-write: none
 
 
 def say_cost(spec: RunSpec, plan: ProbePlan, folder: Path) -> None:
