@@ -48,17 +48,32 @@ WORKLOADS = {
 BASE_ONLY = [1, 4]  # the base recipe's extra world sizes: the reference batch (64), and one more fitted point
 
 
+STOP: list[int] = []  # the signal this script was told to stop with
+
+
 def tune(args: list[str], log: Path) -> int:
-    """`lbt tune`'s exit code. A stop is the tune's to make: Ctrl-C reaches it too and SIGTERM is passed on,
-    and this waits for it (subprocess.run would kill it 0.25 s after a Ctrl-C, its trials left running)."""
+    """`lbt tune`'s exit code. The tune runs in a session of its own, so a stop reaches it once, from here:
+    Ctrl-C or SIGTERM to this script is passed on, and this waits for the tune to stop (its running trials
+    failed, to run again), where subprocess.run killed it 0.25 s after a Ctrl-C."""
     with open(log, "a") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "lbt", "tune", *args], stdout=out, stderr=subprocess.STDOUT)
-        signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum))
-        while True:
-            try:
-                return proc.wait()
-            except KeyboardInterrupt:
-                continue
+        proc = subprocess.Popen([sys.executable, "-m", "lbt", "tune", *args], stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+        def pass_on(signum: int, frame: object) -> None:
+            STOP.append(signum)
+            proc.send_signal(signum)
+
+        previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return proc.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def stop_here(folder: Path, code: int) -> None:
+    print(f"bench/fair.py: stopped; the same command continues it ({folder}/tune.log)", file=sys.stderr)
+    sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -95,9 +110,8 @@ def main(argv: list[str] | None = None) -> None:
         groups.append([f"recipe={','.join(recipes[1:])}", f"dist.world_size={','.join(map(str, world_sizes))}"])
     for group in groups:
         code = tune([*group, *common], folder / "tune.log")
-        if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
-            print(f"bench/fair.py: stopped; the same command continues it ({folder}/tune.log)", file=sys.stderr)
-            sys.exit(code)
+        if code in (128 + signal.SIGINT, 128 + signal.SIGTERM) or STOP:
+            stop_here(folder, code or 128 + STOP[0])
         if code:
             sys.exit(f"bench/fair.py: lbt tune {' '.join(group)} failed (exit {code}); see {folder}/tune.log")
     summary = json.loads((folder / "tune_summary.json").read_text())

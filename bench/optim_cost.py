@@ -1,7 +1,7 @@
 """What each optimizer costs per step and per parameter, against AdamW, at transformer1d's size.
 
     python bench/optim_cost.py [--model transformer1d] [--repeats 7] [--steps 40] [--threads 1] [--profile soap]
-    python bench/optim_cost.py --also soap_heavyball=optim=soap,optim.optimizer_class=heavyball.SOAP
+    python bench/optim_cost.py --also "soap_heavyball=optim=soap optim.optimizer_class=heavyball.SOAP"
 
 The model, optimizer and loss are built from the composed config (`model=M optim=O`), as `lbt train`
 builds them (bench/_common.build_model); every contender trains the same MNIST-1D batches of 64 from the
@@ -14,7 +14,7 @@ Memory per parameter: the bytes of the optimizer's state tensors (momenta, secon
 preconditioner factors, schedule-free's z) over the trainable parameters, so AdamW's is 8 (two fp32
 tensors), SGD-momentum's 4; the parameters and gradients themselves (8 more) are every optimizer's.
 
-`--also NAME=OVERRIDES` (repeatable) adds a contender built from comma-separated overrides, e.g. another
+`--also 'NAME=OVERRIDES'` (repeatable) adds a contender built from space-separated overrides, e.g. another
 implementation of an optimizer under the same settings. `--profile NAME` also breaks NAME's `optimizer.step`
 down by operator (torch.profiler, self CPU time per step): where an optimizer's cost is arithmetic (matrix
 products, decompositions) and where it is dispatch.
@@ -87,9 +87,9 @@ def contender(overrides: list[str], model_name: str, steps: int, batches: list) 
     return run, timings, state / params, params
 
 
-def profile_step(name: str, model_name: str, steps: int, batches: list) -> None:
+def profile_step(name: str, overrides: list[str], model_name: str, steps: int, batches: list) -> None:
     """NAME's optimizer.step over `steps` steps under torch.profiler: the operators by self CPU time per step."""
-    config, _ = compose([f"model={model_name}", f"optim={name}", "trainer.device=cpu"])
+    config, _ = compose([f"model={model_name}", *overrides, "trainer.device=cpu"])
     model, optimizer, loss_fn = build_model(config, build_data(config))
     for inputs, labels in batches[:3]:
         loss_fn(model(inputs), labels).backward()
@@ -113,8 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=40, help="steps per timed repeat")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--profile", help="an optim to break down by operator after the table (e.g. soap)")
-    parser.add_argument("--also", action="append", default=[], metavar="NAME=OVERRIDES",
-                        help="one more contender: comma-separated overrides (repeatable)")
+    parser.add_argument("--also", action="append", default=[], metavar="'NAME=OVERRIDES'",
+                        help="one more contender: space-separated overrides (repeatable)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     config, _ = compose([f"model={args.model}", "trainer.device=cpu"])
@@ -125,7 +125,13 @@ def main(argv: list[str] | None = None) -> None:
                 torch.tensor([int(data.train[int(i)][1]) for i in order[k:k + BATCH]]))
                for k in range(0, len(order), BATCH)]
     contenders = {name: [f"optim={name}"] for name in (BASELINE, *NEW, *OTHERS)}
-    contenders |= {name: overrides.split(",") for name, overrides in (also.split("=", 1) for also in args.also)}
+    for also in args.also:
+        name, _, overrides = also.partition("=")
+        if not overrides or name in contenders:
+            parser.error(f"--also {also!r}: give a new NAME=OVERRIDES, e.g. 'soap_x=optim=soap optim.lr=0.01'")
+        contenders[name] = overrides.split()
+    if args.profile and args.profile not in contenders:
+        parser.error(f"--profile {args.profile}: not one of {', '.join(contenders)}")
     built = {name: contender(overrides, args.model, args.steps, batches) for name, overrides in contenders.items()}
     print(f"{describe_machine()}; model={args.model} ({next(iter(built.values()))[3]:,} parameters), batch {BATCH}, "
           f"{args.threads} thread(s), {args.repeats} repeats x {args.steps} steps")
@@ -142,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {name} | {1e3 * step:.2f} ({low:.2f}-{high:.2f}) | {step / base:.2f} | "
               f"{1e3 * opt:.3f} | {opt / base_opt:.2f} | {per_param:.1f} |")
     if args.profile:
-        profile_step(args.profile, args.model, args.steps, batches)
+        profile_step(args.profile, contenders[args.profile], args.model, args.steps, batches)
     for name in NEW:
         headline(f"step_ratio_{name}", f"{ratios[name]:.3f}")
     headline("step_ratio_max", f"{max(ratios[n] for n in NEW):.3f}")

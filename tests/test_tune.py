@@ -140,6 +140,27 @@ def test_a_stopped_tune_exits_with_the_signals_code_and_the_same_command_continu
     assert len(json.loads((folder / "tune_summary.json").read_text())["cells"]) == 2
 
 
+def test_a_stop_that_arrives_as_a_run_ends_stops_the_tune_before_the_next(tmp_path, capsys, monkeypatch):
+    """SIGTERM after a run's last stop check (its final evaluation, its result being written): the run is kept
+    and counted, and the tune stops before the next trial (before, the next run's start forgot the stop)."""
+    from lbt.apps.tune import trials
+
+    record = trials.record
+
+    def signalled_as_it_ends(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler between runs records it
+        return record(*args, **kwargs)
+
+    monkeypatch.setattr(trials, "record", signalled_as_it_ends)
+    folder = tmp_path / "tune"
+    with pytest.raises(SystemExit) as stop:
+        tune([*TINY, "recipe=baseline", "dist.world_size=1", "tune.trials=3", f"tune.dir={folder}"])
+    assert stop.value.code == 128 + signal.SIGTERM
+    assert "tune: stopped; run the same command again to continue" in capsys.readouterr().out
+    assert trials_in(folder) == {"recipe=baseline dist.world_size=1": [(0, "COMPLETE")]}
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are pytest's again
+
+
 def test_fit_exponent_recovers_a_power_law():
     batches = [64, 256, 1024, 8192]
     assert fit_exponent(batches, [0.1 * b ** 0.5 for b in batches]) == pytest.approx((0.5, 0.1))

@@ -10,11 +10,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping, NoReturn
 
+from lbt.parallel.stop import ask_stop, forget_stop, stop_asked
+
 
 class Stopped(BaseException):
     """A command of many runs (tune, probe) told to stop: it ends with 128 + `signum`, and the same command
-    continues it. A BaseException, as KeyboardInterrupt: raised by a signal handler anywhere, it must pass
-    through libraries' `except Exception` (OmegaConf's re-raised it as another Stopped, its message for signum)."""
+    continues it. A BaseException, as KeyboardInterrupt: no `except Exception` on its way up may take it
+    for a failure."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
@@ -23,17 +25,27 @@ class Stopped(BaseException):
 
 @contextmanager
 def stop_between_runs() -> Iterator[None]:
-    """SIGTERM and SIGINT raise Stopped between runs (a run takes both over while it trains, and stops with a
-    checkpoint): Python's default SIGTERM would end the command at once, its helpers left running."""
-    def stop(signum: int, frame: Any) -> None:
-        raise Stopped(signum)
-
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    """SIGTERM and SIGINT between the runs of a tune or probe are recorded as a run records them
+    (lbt/parallel/stop.py), and the command stops at its next safe point (`raise_if_stopped`); a run takes
+    both signals over while it trains, and stops with a checkpoint. Raised from the handler instead, the
+    stop landed anywhere: between a trial's claim and its `try` (left running), or inside OmegaConf, which
+    re-raised it with its message for the signal number. Python's default SIGTERM ended the command at
+    once, its helper workers left running."""
+    forget_stop()  # a stop of an earlier command in this process (a test, a notebook) is not this one's
+    previous = {sig: signal.signal(sig, lambda signum, frame: ask_stop(signum)) for sig in (signal.SIGTERM,
+                                                                                            signal.SIGINT)}
     try:
         yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def raise_if_stopped() -> None:
+    """A safe point of a tune or probe: a stop asked since it started ends it here."""
+    signum = stop_asked()
+    if signum is not None:
+        raise Stopped(signum or signal.SIGTERM)
 
 
 def fail(message: str) -> NoReturn:

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from lbt.apps.compose import compose
-from lbt.apps.errors import Stopped, fail, stop_between_runs
+from lbt.apps.errors import Stopped, fail, raise_if_stopped, stop_between_runs
 from lbt.apps.estimate import duration, timed_rate
 from lbt.apps.probe.analysis import analyse, branch_dir, branch_done, checkpoint_numbers, verdicts
 from lbt.apps.probe.output import write_outputs
@@ -37,7 +37,6 @@ from lbt.engine import make_spec
 from lbt.engine.build import build_data
 from lbt.errors import ConfigError
 from lbt.metrics.text_log import CONSOLE
-from lbt.parallel.stop import stop_asked, stopped_by
 from lbt.paths import atomic_write
 from lbt.spec.result import ResultError, read_result
 from lbt.spec.run import RunSpec
@@ -153,6 +152,7 @@ def say_cost(spec: RunSpec, plan: ProbePlan, folder: Path) -> None:
 def run_base(folder: Path, plan: ProbePlan, overrides: list[str], again: str) -> Path:
     """The base run with its snapshots; a finished one is read, an interrupted one continued."""
     base = folder / "base"
+    raise_if_stopped()  # told to stop while it measured the rate
     if not finished(base):
         print(f"probe: base run -> {base}", flush=True)
         snapshots = ",".join(str(c) for c in plan.checkpoints)
@@ -192,6 +192,7 @@ def run_branches(folder: Path, plan: ProbePlan, settings: ProbeSettings, overrid
         open_points = [c for c in plan.checkpoints if factor == 1
                        or still_open(checkpoint_numbers(folder, plan, settings, c, base_result), settings, factor)]
         for seed in seeds:
+            raise_if_stopped()
             todo = [c for c in open_points if not branch_done(folder, plan, c, factor, seed)]
             if not todo:
                 continue
@@ -201,8 +202,7 @@ def run_branches(folder: Path, plan: ProbePlan, settings: ProbeSettings, overrid
                   flush=True)
             multirun([*common, f"dist.world_size={factor * plan.world_size}", f"trainer.seed={seed}",
                       f"trainer.branch_at={','.join(str(c) for c in todo)}"])
-            if not all(branch_done(folder, plan, c, factor, seed) for c in todo) and stop_asked() is not None:
-                raise Stopped(stopped_by())  # told to stop while a branch trained
+            raise_if_stopped()  # told to stop while a branch trained: the ones it did not start are left
             if not all(branch_done(folder, plan, c, factor, seed) for c in todo):
                 fail(f"branches did not finish (stopped?); continue the probe with: {again}")
 

@@ -9,7 +9,7 @@ import time
 
 import optuna
 
-from lbt.apps.errors import Stopped, stop_between_runs
+from lbt.apps.errors import Stopped, raise_if_stopped, stop_between_runs
 from lbt.apps.tune.grid import TuneGrid, tune_grid
 from lbt.apps.tune.storage import TuneStorage, claim_lock, open_storage
 from lbt.apps.tune.trials import open_study
@@ -40,8 +40,10 @@ def tune(args: list[str]) -> dict:
     with claim_lock(folder):
         studies = [[open_study(storage.optuna, grid, cell, k) for k in range(s.studies)] for cell in grid.cells]
     try:
-        with stop_between_runs(), helpers(args, 1 if helper else s.workers):
-            work(grid, storage, studies, new_runs)
+        with stop_between_runs():
+            with helpers(args, 1 if helper else s.workers):
+                work(grid, storage, studies, new_runs)
+            raise_if_stopped()  # told to stop while its helpers finished
         summary, written = write_report_once(grid, storage)
     except (Stopped, KeyboardInterrupt) as stop:
         print(f"tune: stopped; run the same command again to continue ({folder})", flush=True)

@@ -16,7 +16,7 @@ import numpy
 import optuna
 
 from lbt.apps.compose import compose
-from lbt.apps.errors import Stopped
+from lbt.apps.errors import Stopped, raise_if_stopped
 from lbt.apps.tune.grid import Cell, Settings, TuneGrid
 from lbt.apps.tune.storage import TuneStorage, claim_lock, fail_stale, heartbeat, mark_mine, redacted, storage_name
 from lbt.engine import make_spec, run
@@ -248,6 +248,7 @@ def train_run(grid: TuneGrid, cell: Cell, overrides: list[str], run_dir: Path, t
     `shown_overrides` stand for `overrides` in the result (and so in `lbt report`'s series names): a final
     run is named by its kind and seed, not by the tuned values it trains.
     """
+    raise_if_stopped()  # told to stop since the last run ended: this one does not start
     composed = compose(grid.head + grid.fixed + cell.axes + overrides, job_name="lbt_tune")
     config = composed.config
     config["tune"] = {**{k: v for k, v in (config.get("tune") or {}).items() if k not in ("grid", "space")},

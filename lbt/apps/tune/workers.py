@@ -23,11 +23,13 @@ from collections.abc import Iterator
 
 import optuna
 
+from lbt.apps.errors import raise_if_stopped
 from lbt.apps.tune.finals import cell_path, earlier_cells, finish_cell, finished, read_cell
 from lbt.apps.tune.grid import TuneGrid
 from lbt.apps.tune.report import summarize, write_tune_report
 from lbt.apps.tune.storage import TuneStorage, cell_lock, claim_lock
 from lbt.apps.tune.trials import TrialState, claim_trial, run_trial
+from lbt.parallel.stop import stop_asked
 
 HELPER = "LBT_TUNE_HELPER"  # set in the extra processes of tune.workers=N: they leave the talking to the first
 
@@ -41,6 +43,7 @@ def work(grid: TuneGrid, storage: TuneStorage, studies: list[list[optuna.Study]]
             print(f"[{cell.name}] done before: its trials and final runs", flush=True)
     waited = False
     while True:
+        raise_if_stopped()
         if finish_next_cell(grid, studies, new_runs) or run_next_trial(grid, storage, studies, new_runs):
             waited = False
             continue
@@ -118,10 +121,14 @@ def helpers(args: list[str], workers: int) -> Iterator[None]:
         yield
         ended = True
     finally:
+        stopping = False
+        while any(proc.poll() is None for proc in procs):  # told to stop while they finish: they stop too
+            if not stopping and (not ended or stop_asked() is not None):
+                stopping = True
+                for proc in procs:
+                    if proc.poll() is None:
+                        proc.send_signal(signal.SIGTERM)
+            time.sleep(0.1)
         for proc in procs:
-            if not ended and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            code = proc.wait()
-            if code != 0 and ended:
-                print(f"tune: worker pid {proc.pid} ended with exit code {code}", flush=True)
+            if proc.returncode != 0 and not stopping:
+                print(f"tune: worker pid {proc.pid} ended with exit code {proc.returncode}", flush=True)
