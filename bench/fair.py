@@ -53,22 +53,26 @@ STOP: list[int] = []  # the signal this script was told to stop with
 
 def tune(args: list[str], log: Path) -> int:
     """`lbt tune`'s exit code. The tune runs in a session of its own, so a stop reaches it once, from here:
-    Ctrl-C or SIGTERM to this script is passed on, and this waits for the tune to stop (its running trials
-    failed, to run again), where subprocess.run killed it 0.25 s after a Ctrl-C."""
-    with open(log, "a") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "lbt", "tune", *args], stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    Ctrl-C, SIGTERM or SIGHUP (passed on as SIGTERM) to this script, and this waits for the tune to stop (its
+    running trials failed, to run again), where subprocess.run killed it 0.25 s after a Ctrl-C."""
+    procs: list[subprocess.Popen] = []
 
-        def pass_on(signum: int, frame: object) -> None:
-            STOP.append(signum)
-            proc.send_signal(signum)
+    def pass_on(signum: int, frame: object) -> None:
+        STOP.append(signal.SIGTERM if signum == signal.SIGHUP else signum)
+        for proc in procs:
+            proc.send_signal(STOP[-1])
 
-        previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            return proc.wait()
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+    previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        with open(log, "a") as out:
+            procs.append(subprocess.Popen([sys.executable, "-m", "lbt", "tune", *args], stdout=out,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+            if STOP:  # told to stop while it started
+                procs[0].send_signal(STOP[0])
+            return procs[0].wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def stop_here(folder: Path, code: int) -> None:

@@ -140,25 +140,34 @@ def test_a_stopped_tune_exits_with_the_signals_code_and_the_same_command_continu
     assert len(json.loads((folder / "tune_summary.json").read_text())["cells"]) == 2
 
 
-def test_a_stop_that_arrives_as_a_run_ends_stops_the_tune_before_the_next(tmp_path, capsys, monkeypatch):
-    """SIGTERM after a run's last stop check (its final evaluation, its result being written): the run is kept
-    and counted, and the tune stops before the next trial (before, the next run's start forgot the stop)."""
+@pytest.mark.parametrize("where, state", [("make_spec", "FAIL"), ("record", "COMPLETE")])
+def test_a_stop_between_the_tunes_last_look_and_the_next_is_not_lost(tmp_path, capsys, monkeypatch, where, state):
+    """SIGTERM (its handler called as the signal would) in the gaps a tune's safe points leave: after
+    train_run's look, as the run starts (make_spec), the run stops before its first step (before, the run's
+    start forgot the stop and trained in full); after a run returned, before its trial is told (record), the
+    trial is counted and the tune stops before the next (before, raised from the handler, the stop left it
+    RUNNING)."""
     from lbt.apps.tune import trials
 
-    record = trials.record
+    original, before = getattr(trials, where), signal.getsignal(signal.SIGTERM)
 
-    def signalled_as_it_ends(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGTERM)  # the handler between runs records it
-        return record(*args, **kwargs)
+    def signalled(*args, **kwargs):
+        handler = signal.getsignal(signal.SIGTERM)
+        assert callable(handler), handler  # the tune's, between runs
+        handler(signal.SIGTERM, None)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(trials, "record", signalled_as_it_ends)
+    monkeypatch.setattr(trials, where, signalled)
     folder = tmp_path / "tune"
     with pytest.raises(SystemExit) as stop:
         tune([*TINY, "recipe=baseline", "dist.world_size=1", "tune.trials=3", f"tune.dir={folder}"])
     assert stop.value.code == 128 + signal.SIGTERM
     assert "tune: stopped; run the same command again to continue" in capsys.readouterr().out
-    assert trials_in(folder) == {"recipe=baseline dist.world_size=1": [(0, "COMPLETE")]}
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are pytest's again
+    assert trials_in(folder) == {"recipe=baseline dist.world_size=1": [(0, state)]}
+    assert signal.getsignal(signal.SIGTERM) == before  # the handlers are restored, and no stop is left over
+    from lbt.parallel.stop import stop_asked
+
+    assert stop_asked() is None
 
 
 def test_fit_exponent_recovers_a_power_law():

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping, NoReturn
 
-from lbt.parallel.stop import ask_stop, forget_stop, stop_asked
+from lbt.parallel.stop import ask_stop, keep_stop, stop_asked
 
 
 class Stopped(BaseException):
@@ -31,14 +31,14 @@ def stop_between_runs() -> Iterator[None]:
     stop landed anywhere: between a trial's claim and its `try` (left running), or inside OmegaConf, which
     re-raised it with its message for the signal number. Python's default SIGTERM ended the command at
     once, its helper workers left running."""
-    forget_stop()  # a stop of an earlier command in this process (a test, a notebook) is not this one's
-    previous = {sig: signal.signal(sig, lambda signum, frame: ask_stop(signum)) for sig in (signal.SIGTERM,
-                                                                                            signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with keep_stop():  # a stop asked just before a run starts stops that run, not forgotten by it
+        previous = {sig: signal.signal(sig, lambda signum, frame: ask_stop(signum)) for sig in (signal.SIGTERM,
+                                                                                                signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def raise_if_stopped() -> None:

@@ -24,7 +24,7 @@ from lbt.apps.train import check_sweep, train_command
 from lbt.engine import make_spec
 from lbt.errors import ConfigError
 from lbt.metrics.text_log import CONSOLE
-from lbt.parallel.stop import STOP_FILE, ask_stop, stop_asked
+from lbt.parallel.stop import STOP_FILE, ask_stop, forget_stop, stop_asked
 from lbt.paths import folder_lock
 
 STUDY_HELP = """usage: lbt study [overrides]
@@ -199,6 +199,7 @@ def study_signals(sweep_dir: str, verbose: bool) -> Iterator[None]:
     folder = Path(sweep_dir).resolve()
     stop = folder / ".stop"
     stop.unlink(missing_ok=True)
+    forget_stop()  # an earlier command in this process (a test, a notebook) was stopped, not this study
     env = {STOP_FILE: str(stop), STUDY_ENV: str(folder), STUDY_PID: str(os.getpid())}
     if not verbose:
         env[CONSOLE] = "log"

@@ -395,7 +395,7 @@ def stop_on_signals() -> Iterator[None]:
     def request_stop(signum: int, frame: Any) -> None:
         ask_stop(signum)  # the loop reads it (stop_asked); the study this run is a job of stops too
 
-    forget_stop()  # an earlier run in this process was stopped, not this one
+    forget_stop(run_start=True)  # an earlier run in this process was stopped, not this one
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield

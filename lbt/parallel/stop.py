@@ -23,6 +23,7 @@ from typing import Iterator
 
 STOP_FILE = "LBT_STOP_FILE"
 _asked: list[int] = []  # the stop this process was asked for (its first signal), file or not
+_kept: list[bool] = []  # a command of many runs keeps the stop across its runs' starts (keep_stop)
 
 
 def stop_file() -> Path | None:
@@ -59,9 +60,25 @@ def ask_stop(signum: int) -> bool:
     return True
 
 
-def forget_stop() -> None:
-    """A new run in this process starts unstopped (a test or notebook runs several in one process)."""
-    _asked.clear()
+def forget_stop(run_start: bool = False) -> None:
+    """A new run in this process starts unstopped (a test or notebook runs several in one process), unless a
+    command of many runs keeps the stop for its next safe point (`keep_stop`): a stop asked after that
+    command last looked, just before the run started, stops the run before its first step."""
+    if not (run_start and _kept):
+        _asked.clear()
+
+
+@contextmanager
+def keep_stop() -> Iterator[None]:
+    """While a tune or probe runs: a stop asked of this process outlives its runs' starts, and none from
+    before it (an earlier command in the same process) counts."""
+    forget_stop()
+    _kept.append(True)
+    try:
+        yield
+    finally:
+        _kept.pop()
+        forget_stop()
 
 
 def stopped_by() -> int:

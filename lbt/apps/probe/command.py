@@ -139,6 +139,7 @@ def claim_folder(folder: Path, settings: ProbeSettings, overrides: list[str]) ->
 def say_cost(spec: RunSpec, plan: ProbePlan, folder: Path) -> None:
     """Before anything runs: the samples to train at most, against the sweep's, and the time it may take."""
     rate = timed_rate(spec)
+    raise_if_stopped()  # told to stop while it timed steps: no cost from a cut-off measurement
     most = plan.most_samples
     print(f"probe: base run of {plan.budget:,} samples at global batch {plan.base_batch:,} with snapshots at "
           f"{', '.join(f'{c:,}' for c in plan.checkpoints)}; branches of {plan.branch_samples:,} samples at "
@@ -152,7 +153,6 @@ def say_cost(spec: RunSpec, plan: ProbePlan, folder: Path) -> None:
 def run_base(folder: Path, plan: ProbePlan, overrides: list[str], again: str) -> Path:
     """The base run with its snapshots; a finished one is read, an interrupted one continued."""
     base = folder / "base"
-    raise_if_stopped()  # told to stop while it measured the rate
     if not finished(base):
         print(f"probe: base run -> {base}", flush=True)
         snapshots = ",".join(str(c) for c in plan.checkpoints)
