@@ -24,6 +24,9 @@ on val (the base recipe's unless others also ran at 1, as a later command with `
 them). Trials run in `--procs` processes (tune.workers, one thread each) sharing one SQLite storage in
 --dir; interrupted, the same command continues. The full protocol is long (hours on 2 cores; tune.log times
 every trial): run it on a quiet machine.
+The default --dir is bench/results/fair_<workload>, its trials in a journal file (tune.storage=journal): git keeps
+what continues the protocol in another checkout and what its report reads (bench/results/.gitignore), so a
+protocol longer than one machine's life goes on from the last commit.
 The last lines: `critical_batch_<recipe>=<samples>` per recipe, then `best_gap_64x=<points> best_gap_128x=<points>`:
 test points the best recipe (chosen on val) loses against the tuned base batch (positive = below).
 """
@@ -85,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="cnn1d")
     parser.add_argument("--recipes", help="comma-separated; the first is the base (default: the workload's)")
     parser.add_argument("--world-sizes", help="comma-separated, every recipe's (default: the workload's)")
-    parser.add_argument("--dir", type=Path, help="default runs/tune/fair_<workload>")
+    parser.add_argument("--dir", type=Path, help="default bench/results/fair_<workload>")
     parser.add_argument("--trials", type=int, default=5, help="quasi-random trials per study")
     parser.add_argument("--studies", type=int, default=3, help="independent studies per cell")
     parser.add_argument("--seeds", type=int, default=3, help="fresh seeds of the final runs")
@@ -98,11 +101,12 @@ def main(argv: list[str] | None = None) -> None:
     recipes, world_sizes, overrides = WORKLOADS[args.workload]
     recipes = args.recipes.split(",") if args.recipes else recipes
     world_sizes = [int(w) for w in args.world_sizes.split(",")] if args.world_sizes else world_sizes
-    folder = (args.dir or Path(f"runs/tune/fair_{args.workload}")).absolute()
+    folder = (args.dir or Path(__file__).parent / "results" / f"fair_{args.workload}").absolute()
     folder.mkdir(parents=True, exist_ok=True)
     common = [*overrides, f"trainer.epochs={args.epochs}", f"tune.trials={args.trials}",
               f"tune.studies={args.studies}", "tune.sampler=qmc", "tune.pruner=none", f"tune.seeds={args.seeds}",
-              "tune.untuned=false", f"tune.workers={args.procs}", "trainer.threads=1", f"tune.dir={folder}"]
+              "tune.untuned=false", f"tune.workers={args.procs}", "trainer.threads=1", f"tune.dir={folder}",
+              "tune.storage=journal"]
     if args.target is not None:
         common.append(f"tune.target={args.target}")
     started = time.perf_counter()
