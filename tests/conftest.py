@@ -94,3 +94,18 @@ def lbt_cli(args: list[str], cwd: Path, timeout: float = 120, **kwargs) -> subpr
         [sys.executable, "-m", "lbt", *args], cwd=cwd, env=env, capture_output=True, text=True,
         timeout=timeout, **kwargs,
     )
+
+
+def signal_after_line(args: list[str], cwd: Path, pattern: str, sig: int,
+                      timeout: float = 120) -> tuple[int, str, str]:
+    """Start `lbt ARGS` as a user does, send it `sig` once a line of its stdout matches `pattern` (re.search),
+    and wait for it: (its exit code, its stdout after that line, its stderr)."""
+    job = subprocess.Popen([sys.executable, "-m", "lbt", *args], cwd=cwd, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert job.stdout is not None
+    for line in job.stdout:
+        if re.search(pattern, line):
+            break
+    job.send_signal(sig)
+    out, err = job.communicate(timeout=timeout)
+    return job.returncode, out, err

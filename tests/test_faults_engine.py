@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import FAST, compose_config, interrupted, lbt_cli, train
+from conftest import FAST, compose_config, interrupted, lbt_cli, signal_after_line, train
 
 import lbt.engine.checkpoint
 from lbt.engine import make_spec
@@ -274,20 +274,16 @@ def test_sigterm_in_the_first_second_is_a_stop_and_a_rerun_finishes(tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_while_the_workers_start_is_a_stop_never_a_restart(tmp_path):
-    args = [sys.executable, "-m", "lbt", "train", *FAST, *RUN, "trainer.epochs=8", "dist.world_size=2", "dist.procs=2",
-            "dist.max_restarts=2", "trainer.progress=false", f"hydra.run.dir={tmp_path / 'run'}"]
-    job = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for line in job.stdout:  # the workers' start line: the first step has not run
-        if "world_size=2 (procs=2" in line:
-            break
-    job.send_signal(signal.SIGTERM)
-    _, err = job.communicate(timeout=60)
-    assert job.returncode == 143 and "restarting" not in err and "failed" not in err, err
+    args = ["train", *FAST, *RUN, "trainer.epochs=8", "dist.world_size=2", "dist.procs=2", "dist.max_restarts=2",
+            "trainer.progress=false", f"hydra.run.dir={tmp_path / 'run'}"]
+    # the workers' start line: the first step has not run
+    code, _, err = signal_after_line(args, tmp_path, re.escape("world_size=2 (procs=2"), signal.SIGTERM, timeout=60)
+    assert code == 143 and "restarting" not in err and "failed" not in err, err
     said = re.search(r"lbt: stopped \(SIGTERM\); rerun the same command( with trainer.resume=auto)? to continue",
                      err)
     assert said and "Traceback" not in err, err
     again = args + (["trainer.resume=auto"] if said.group(1) else [])
-    rerun = subprocess.run(again, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    rerun = lbt_cli(again, tmp_path)
     assert rerun.returncode == 0 and "done:" in rerun.stdout, rerun.stderr
 
 

@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import re
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from test_cli_errors import run_main, run_main_io
 
-from tests.conftest import final_params, lbt_cli, relative_diff, train
+from tests.conftest import final_params, lbt_cli, relative_diff, signal_after_line, train
 
 BASE = ["model=mlp", "trainer.per_worker_batch=8", "trainer.epochs=4", "optim.lr=0.05"]  # 512 samples: 64 steps/epoch
 
@@ -125,15 +121,8 @@ def test_a_probe_stopped_among_its_branches_exits_with_the_signals_code(tmp_path
     """Told to stop once its branches started: the signal's code and the command that continues it (before,
     a SIGTERM there was a config mistake, exit 2); the same command then finishes the probe."""
     args = ["probe", *PROBE, f"probe.dir={tmp_path / 'probe'}"]
-    job = subprocess.Popen([sys.executable, "-m", "lbt", *args], cwd=tmp_path, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert job.stdout is not None
-    for line in job.stdout:
-        if re.match(r"probe: \d+ branch\(es\) at 2x", line):
-            break
-    job.send_signal(sig)
-    _, err = job.communicate(timeout=120)
-    assert job.returncode == 128 + sig and "Traceback" not in err, (job.returncode, err)
+    code, _, err = signal_after_line(args, tmp_path, r"^probe: \d+ branch\(es\) at 2x", sig)
+    assert code == 128 + sig and "Traceback" not in err, (code, err)
     said = f"lbt: probe stopped; finished runs are kept. Continue with: lbt {' '.join(args)}"
     assert err.strip().splitlines()[-1] == said
     again = lbt_cli(args, cwd=tmp_path, timeout=300)

@@ -1,16 +1,14 @@
 """`lbt tune`: the same tuning budget for every (recipe, global batch) cell, chosen on val (lbt/apps/tune/)."""
 
 import json
-import os
 import re
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import optuna
 import pytest
-from conftest import compose_config, lbt_cli
+from conftest import compose_config, lbt_cli, signal_after_line
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_cli_errors import run_main_io
 
@@ -117,15 +115,8 @@ def test_a_stopped_tune_exits_with_the_signals_code_and_the_same_command_continu
     folder = tmp_path / "tune"
     args = ["tune", *TINY, "trainer.epochs=6", "recipe=baseline", "dist.world_size=1,4", "tune.trials=3",
             "tune.seeds=1", "tune.workers=2", f"tune.dir={folder}"]
-    job = subprocess.Popen([sys.executable, "-m", "lbt", *args], cwd=tmp_path, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert job.stdout is not None
-    for line in job.stdout:
-        if re.search(r"\] trial \d+ \(", line):
-            break
-    job.send_signal(sig)
-    out, err = job.communicate(timeout=120)
-    assert job.returncode == 128 + sig and "Traceback" not in err, (job.returncode, err)
+    code, out, err = signal_after_line(args, tmp_path, r"\] trial \d+ \(", sig)
+    assert code == 128 + sig and "Traceback" not in err, (code, err)
     assert "tune: stopped; run the same command again to continue" in out
     stopped = trials_in(folder)
     assert not [t for states in stopped.values() for t in states if t[1] == "RUNNING"], stopped  # the helper too
