@@ -59,6 +59,7 @@ def tune(args: list[str], log: Path) -> int:
     Ctrl-C, SIGTERM or SIGHUP (passed on as SIGTERM) to this script, and this waits for the tune to stop (its
     running trials failed, to run again), where subprocess.run killed it 0.25 s after a Ctrl-C."""
     procs: list[subprocess.Popen] = []
+    print(f"bench/fair.py: lbt tune {' '.join(args[:2])} ... (the same lines in {log})", flush=True)
 
     def pass_on(signum: int, frame: object) -> None:
         STOP.append(signal.SIGTERM if signum == signal.SIGHUP else signum)
@@ -68,10 +69,20 @@ def tune(args: list[str], log: Path) -> int:
     previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         with open(log, "a") as out:
-            procs.append(subprocess.Popen([sys.executable, "-m", "lbt", "tune", *args], stdout=out,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
+            procs.append(subprocess.Popen([sys.executable, "-m", "lbt", "tune", *args], stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, start_new_session=True, text=True))
             if STOP:  # told to stop while it started
                 procs[0].send_signal(STOP[0])
+            assert procs[0].stdout is not None
+            shown = True
+            for line in procs[0].stdout:  # hours of trials: shown as they finish, and kept in the log
+                out.write(line)
+                out.flush()
+                try:
+                    if shown:
+                        print(line, end="", flush=True)
+                except OSError:  # the terminal is gone (SIGHUP): the log goes on
+                    shown = False
             return procs[0].wait()
     finally:
         for sig, handler in previous.items():
