@@ -129,6 +129,19 @@ def test_a_probe_stopped_among_its_branches_exits_with_the_signals_code(tmp_path
     assert again.returncode == 0 and "probe finished" in again.stdout, again.stderr[-2000:]
 
 
+@pytest.mark.slow
+def test_a_sigterm_to_the_probe_alone_stops_the_branches_its_launcher_runs_elsewhere(tmp_path):
+    """`kill PID` reaches the probe only, not the joblib workers that run its branches: they stop at their
+    next step (the stop file), where the probe waited for the whole round to finish and then stopped."""
+    folder = tmp_path / "probe"
+    args = ["probe", *PROBE, f"probe.dir={folder}", "hydra/launcher=local_parallel"]
+    code, _, err = signal_after_line(args, tmp_path, r"^probe: \d+ branch\(es\) at 1x", signal.SIGTERM)
+    assert code == 143 and "Traceback" not in err, (code, err)
+    started = list((folder / "branches").glob("at*_w1_seed0"))
+    assert started and not [b for b in started if (b / "result.json").is_file()]  # stopped, not finished
+    assert not (folder / ".stop").exists()
+
+
 @pytest.mark.parametrize("args, says", [
     (["probe.max_factor=3"], "probe.max_factor=3: give a power of two"),
     (["probe.checkpoints=0"], "probe.checkpoints"),

@@ -37,6 +37,7 @@ from lbt.engine import make_spec
 from lbt.engine.build import build_data
 from lbt.errors import ConfigError
 from lbt.metrics.text_log import CONSOLE
+from lbt.parallel.stop import job_stop_file
 from lbt.paths import atomic_write
 from lbt.spec.result import ResultError, read_result
 from lbt.spec.run import RunSpec
@@ -77,7 +78,7 @@ def probe_command(args: list[str]) -> None:
     given = [a for a in args if a.startswith("probe.") and not a.startswith("probe.dir=")]
     again = f"lbt probe {' '.join([*overrides, *given])} probe.dir={folder}"
     try:
-        with stop_between_runs():
+        with stop_between_runs(), branches_stop_with_the_probe(folder):
             with console("silent"):  # the timed steps say nothing (each job's train.log has all it says)
                 say_cost(spec, plan, folder)
             with console("brief"):  # the base run's epochs, without its config
@@ -92,6 +93,20 @@ def probe_command(args: list[str]) -> None:
     write_outputs(folder, probe)
     print(f"probe finished in {time.perf_counter() - started:.0f} s: {probe['answer']['sentence']}")
     print(f"report: {(folder / 'probe.md').resolve()}")
+
+
+@contextmanager
+def branches_stop_with_the_probe(folder: Path) -> Iterator[None]:
+    """A stop asked of the probe alone (`kill PID`, where Ctrl-C reaches every process of the terminal) reaches
+    branches that a launcher runs in other processes (hydra/launcher=local_parallel) through a stop file they
+    poll (lbt/parallel/stop.py): they stop at their next step, where the probe waited for them to finish."""
+    stop = folder / ".stop"
+    stop.unlink(missing_ok=True)  # an earlier probe's, told to stop
+    with job_stop_file(stop):
+        try:
+            yield
+        finally:
+            stop.unlink(missing_ok=True)
 
 
 @contextmanager
