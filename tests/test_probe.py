@@ -130,6 +130,18 @@ def test_a_probe_stopped_among_its_branches_exits_with_the_signals_code(tmp_path
 
 
 @pytest.mark.slow
+def test_a_probe_stopped_in_its_base_run_says_the_probes_command(tmp_path):
+    """The base run trains in the probe's process: stopped there, the line is the probe's (it was `lbt train`'s,
+    whose rerun would train the base run alone)."""
+    args = ["probe", *PROBE, f"probe.dir={tmp_path / 'probe'}"]
+    code, _, err = signal_after_line(args, tmp_path, r"^epoch 1/", signal.SIGINT)
+    assert code == 130 and "Traceback" not in err, (code, err)
+    said = f"lbt: probe stopped; finished runs are kept. Continue with: lbt {' '.join(args)}"
+    assert err.strip().splitlines()[-1] == said
+    assert "trainer.resume=auto" not in err
+
+
+@pytest.mark.slow
 def test_a_sigterm_to_the_probe_alone_stops_the_branches_its_launcher_runs_elsewhere(tmp_path):
     """`kill PID` reaches the probe only, not the joblib workers that run its branches: they stop at their
     next step (the stop file), where the probe waited for the whole round to finish and then stopped."""

@@ -25,7 +25,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from lbt.apps.compose import Composed, compose, conf_dir, one_line, register_schemas
-from lbt.apps.errors import continue_with, fail, stopped
+from lbt.apps.errors import Stopped, continue_with, fail, stopped
 from lbt.apps.study_folder import STUDY_PID, job_line, study_of_job
 from lbt.engine import make_spec, run
 from lbt.engine.build import check_targets
@@ -33,7 +33,7 @@ from lbt.engine.worker import check_run_folder
 from lbt.errors import ConfigError
 from lbt.parallel import process_group as pg
 from lbt.parallel.launcher import WorkerDied
-from lbt.parallel.stop import stop_asked, stopped_by
+from lbt.parallel.stop import stop_asked, stop_kept, stopped_by
 from lbt.spec.batching import DEFAULT_PER_WORKER_BATCH
 from lbt.spec.result import ResultError, RunResult, read_result, write_result
 
@@ -229,6 +229,8 @@ def hydra_main(cfg: DictConfig) -> None:
     try:
         result = run(make_spec(config, recipe, overrides), output_dir)
         if result.stopped and study is None and not sweeping:  # told to stop: 130/143, as at any moment
+            if stop_kept():  # a probe's base run: the probe says which command continues it
+                raise Stopped(stopped_by())
             stopped(stopped_by(), continue_with(config, output_dir))
         if result.stopped:  # no result.json: what the job is comes from its config
             result = replace(failure_result({**config, "overrides": overrides}, recipe, ""), error=None, stopped=True)

@@ -81,6 +81,11 @@ def keep_stop() -> Iterator[None]:
         forget_stop()
 
 
+def stop_kept() -> bool:
+    """Whether a command of many runs (a tune, a probe) is running this one: it says how to continue."""
+    return bool(_kept)
+
+
 def stopped_by() -> int:
     """The signal a stopped run was stopped with (SIGTERM when it is not known: a scheduler's preemption)."""
     return stop_asked() or signal.SIGTERM
