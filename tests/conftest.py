@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -94,6 +97,24 @@ def lbt_cli(args: list[str], cwd: Path, timeout: float = 120, **kwargs) -> subpr
         [sys.executable, "-m", "lbt", *args], cwd=cwd, env=env, capture_output=True, text=True,
         timeout=timeout, **kwargs,
     )
+
+
+@contextlib.contextmanager
+def one_gloo_process() -> Iterator[None]:
+    """A gloo process group of one in this process, for the block (whose objects should live in a function it
+    calls). Everything that holds the group (a comm hook's state, a pending future, a device mesh) is collected
+    before the group is destroyed. The suspected cause of one test process aborted with "Resource deadlock
+    avoided" (unconfirmed): a group's last reference dropped later, on one of gloo's own threads, has that
+    thread join itself."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+        gc.collect()
 
 
 def signal_after_line(args: list[str], cwd: Path, pattern: str, sig: int,

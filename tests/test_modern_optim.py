@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import schedulefree
 import torch
-from conftest import FAST, compose_config, final_params, relative_diff, train
+from conftest import FAST, compose_config, final_params, one_gloo_process, relative_diff, train
 from test_cli_errors import run_main
 from torch import nn
 
@@ -316,7 +316,6 @@ def test_bad_optimizer_input_is_one_line(name, tmp_path, capfd, monkeypatch):
 def test_optimizers_that_do_not_step_on_shards_refuse_split_layers():
     """Under tensor parallelism (or FSDP) the parameters are DTensor shards: Muon and SOAP are refused, and so
     is schedule-free, never run on shards."""
-    import torch.distributed as dist
     from pytorch_optimizer import SOAP
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -326,15 +325,15 @@ def test_optimizers_that_do_not_step_on_shards_refuse_split_layers():
             refuse_split_layers(cls, True)
         refuse_split_layers(cls, False)  # layers whole: fine
     refuse_split_layers(torch.optim.AdamW, True)  # element-wise: fine
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    def check() -> None:
         model = MLP(hidden=8, num_layers=2)
         mesh = init_device_mesh("cpu", (1,))
         model[3].weight = nn.Parameter(distribute_tensor(model[3].weight.detach(), mesh, [Shard(0)]))
         with pytest.raises(ConfigError, match="optim.optimizer_class=MuonAdamW with layers split"):
             create_optimizer(model, MuonAdamW, lr=1e-3)
-    finally:
-        dist.destroy_process_group()
+
+    with one_gloo_process():
+        check()
 
 
 # --- real == simulated under Muon -------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import train
+from conftest import one_gloo_process, train
 
 from lbt.apps.compose import conf_dir
 from lbt.techniques import Technique
@@ -216,9 +216,8 @@ def test_first_powersgd_step_after_resume_reduces_as_the_checkpointed_buckets(tm
         technique = CommCompression("powersgd")
         return technique, technique.comm_hook(None, SimpleNamespace(module=model))
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        resumed_at = None
+    def check() -> None:
+        nonlocal resumed_at
         _, hook = hooked()
         expected = [reduce(hook, n) for n in range(6)]
         stopped, hook = hooked()
@@ -231,8 +230,10 @@ def test_first_powersgd_step_after_resume_reduces_as_the_checkpointed_buckets(tm
         for n in range(3, 6):
             assert all(torch.equal(a, b) for a, b in zip(reduce(hook, n), expected[n])), n
         assert not torch.equal(expected[3][2], grads[3][2])  # the (5, 8) weight went through compression
-    finally:
-        dist.destroy_process_group()
+
+    resumed_at = None
+    with one_gloo_process():
+        check()
 
 
 def test_a_checkpoint_of_an_older_format_is_a_one_line_error(tmp_path):
