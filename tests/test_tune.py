@@ -47,6 +47,10 @@ def test_tune_a_tiny_grid_then_the_same_command_runs_nothing_new(tmp_path, capfd
     # One line per finished trial, one per cell.
     assert len(re.findall(r"\] trial \d+ \([123]/3\): (val_acc|pruned|diverged)", first.stdout)) == 12
     assert first.stdout.count("] best of 3 trials") == 4
+    # After each trial and each cell's final runs: the runs done of 4 x (3 trials + 2 seeds x tuned, untuned).
+    done = [int(n) for n in re.findall(r"^tune: (\d+) of 28 runs done \(\d+%\)", first.stdout, re.M)]
+    assert len(done) == 12 + 4 and done == sorted(done) and done[-1] == 28
+    assert re.search(r"^tune: \d+ of 28 runs done \(\d+%\); about \d+ s left$", first.stdout, re.M)
 
     # Equal budget: every cell has exactly tune.trials finished or pruned trials in the storage.
     trials = trials_in(folder)
@@ -84,7 +88,7 @@ def test_tune_a_tiny_grid_then_the_same_command_runs_nothing_new(tmp_path, capfd
     code, out, err = run_main_io(args, capfd)  # in this process: one start less
     assert code == 0, err
     assert trials_in(folder) == trials
-    assert "0 new trials, 0 new final runs" in out and "): val_acc" not in out
+    assert "0 new trials, 0 new final runs" in out and "): val_acc" not in out and "runs done" not in out
 
     # Test points lost against the tuned smallest batch; the best recipe at a batch is chosen on val.
     gaps = summary["gaps"]

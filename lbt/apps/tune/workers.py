@@ -24,6 +24,7 @@ from collections.abc import Iterator
 import optuna
 
 from lbt.apps.errors import raise_if_stopped
+from lbt.apps.estimate import duration
 from lbt.apps.tune.finals import cell_path, earlier_cells, finish_cell, finished, read_cell
 from lbt.apps.tune.grid import TuneGrid
 from lbt.apps.tune.report import summarize, write_tune_report
@@ -46,6 +47,8 @@ def work(grid: TuneGrid, storage: TuneStorage, studies: list[list[optuna.Study]]
         raise_if_stopped()
         if finish_next_cell(grid, studies, new_runs) or run_next_trial(grid, storage, studies, new_runs):
             waited = False
+            if not os.environ.get(HELPER):
+                say_progress(grid, studies)
             continue
         left = [cell.name for cell, searches in zip(grid.cells, studies) if not finished(grid, cell, searches)]
         if not left:
@@ -54,6 +57,28 @@ def work(grid: TuneGrid, storage: TuneStorage, studies: list[list[optuna.Study]]
             print(f"tune: waiting for other workers ({', '.join(left)})", flush=True)
         waited = True
         time.sleep(min(storage.heartbeat, 2))
+
+
+def say_progress(grid: TuneGrid, studies: list[list[optuna.Study]]) -> None:
+    """After each run of the first worker: the tune's runs done of all (every worker's, earlier commands' too),
+    and about how long the rest takes: the runs left x the mean trial's time / tune.workers (a final run
+    trains as long as a trial)."""
+    s = grid.settings
+    finals_per_cell = s.seeds * (2 if s.untuned else 1)
+    done = total = 0
+    seconds = []
+    for cell, searches in zip(grid.cells, studies):
+        cell_done = finished(grid, cell, searches)
+        for study in searches:
+            trials = study.get_trials(deepcopy=False)
+            counted = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
+            done += s.trials if cell_done else min(counted, s.trials)
+            seconds += [t.duration.total_seconds() for t in trials if t.state == TrialState.COMPLETE and t.duration]
+        done += finals_per_cell if cell_done else 0
+        total += s.trials * len(searches) + finals_per_cell
+    left = f"; about {duration((total - done) * sum(seconds) / len(seconds) / s.workers)} left" \
+        if seconds and done < total else ""
+    print(f"tune: {done} of {total} runs done ({done / total:.0%}){left}", flush=True)
 
 
 def run_next_trial(grid: TuneGrid, storage: TuneStorage, studies: list[list[optuna.Study]], new_runs: dict) -> bool:
