@@ -21,12 +21,14 @@ out, 10,000 test). Reported per recipe and batch:
 The base recipe (the first of --recipes) also runs at world sizes 1 and 4 (global batch 64 and 256) unless
 --target is given. Gaps and the target are measured against the tuned base batch, 64: the best recipe there
 on val (the base recipe's unless others also ran at 1, as a later command with `--world-sizes 1,4` adds
-them). Trials run in `--procs` processes (tune.workers, one thread each) sharing one SQLite storage in
+them). Trials run in `--procs` processes (tune.workers, one thread each) sharing one Optuna storage in
 --dir; interrupted, the same command continues. The full protocol is long (hours on 2 cores; tune.log times
 every trial): run it on a quiet machine.
-The default --dir is bench/results/fair_<workload>, its trials in a journal file (tune.storage=journal): git keeps
-what continues the protocol in another checkout and what its report reads (bench/results/.gitignore), so a
-protocol longer than one machine's life goes on from the last commit.
+The default --dir is bench/results/fair_<workload>, its trials in a journal file (tune.storage=journal; a --dir
+whose trials are in optuna.db keeps SQLite): git keeps what continues the protocol in another checkout and what
+its report reads (bench/results/.gitignore), so a protocol longer than one machine's life goes on from the last
+commit. Commit the folder with the tune paused (`kill -STOP -- -<tune pid>`, then `kill -CONT`) or stopped: a
+journal line half written when committed would make the journal unreadable once more lines follow it.
 The last lines: `critical_batch_<recipe>=<samples>` per recipe, then `best_gap_64x=<points> best_gap_128x=<points>`:
 test points the best recipe (chosen on val) loses against the tuned base batch (positive = below).
 """
@@ -34,12 +36,14 @@ test points the best recipe (chosen on val) loses against the tuned base batch (
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 WORKLOADS = {
     # recipes (the first is the base, also run at BASE_ONLY), world sizes of every recipe, overrides
@@ -56,41 +60,48 @@ STOP: list[int] = []  # the signal this script was told to stop with
 
 def tune(args: list[str], log: Path) -> int:
     """`lbt tune`'s exit code. The tune runs in a session of its own, so a stop reaches it once, from here:
-    Ctrl-C, SIGTERM or SIGHUP (passed on as SIGTERM) to this script, and this waits for the tune to stop (its
-    running trials failed, to run again), where subprocess.run killed it 0.25 s after a Ctrl-C."""
+    Ctrl-C, SIGTERM or SIGHUP (passed on as SIGTERM; not under nohup) to this script, and this waits for the
+    tune to stop (its running trials failed, to run again). The tune writes into tune.log, which this follows
+    onto the terminal: through a pipe, this script's death or a paused terminal would stop the trials."""
     procs: list[subprocess.Popen] = []
-    print(f"bench/fair.py: lbt tune {' '.join(args[:2])} ... (the same lines in {log})", flush=True)
+    say(f"bench/fair.py: lbt tune {' '.join(args[:2])} ... (the same lines in {log})")
 
     def pass_on(signum: int, frame: object) -> None:
         STOP.append(signal.SIGTERM if signum == signal.SIGHUP else signum)
         for proc in procs:
             proc.send_signal(STOP[-1])
 
-    previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    signals = [signal.SIGINT, signal.SIGTERM] + ([] if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+                                                  else [signal.SIGHUP])
+    previous = {sig: signal.signal(sig, pass_on) for sig in signals}
     try:
-        with open(log, "a") as out:
-            procs.append(subprocess.Popen([sys.executable, "-m", "lbt", "tune", *args], stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, start_new_session=True, text=True))
+        with open(log, "ab") as out, open(log, "rb") as follow:
+            follow.seek(0, 2)
+            procs.append(subprocess.Popen([sys.executable, "-m", "lbt", "tune", *args], stdout=out,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
             if STOP:  # told to stop while it started
                 procs[0].send_signal(STOP[0])
-            assert procs[0].stdout is not None
-            shown = True
-            for line in procs[0].stdout:  # hours of trials: shown as they finish, and kept in the log
-                out.write(line)
-                out.flush()
-                try:
-                    if shown:
-                        print(line, end="", flush=True)
-                except OSError:  # the terminal is gone (SIGHUP): the log goes on
-                    shown = False
-            return procs[0].wait()
+            text = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character split between reads
+            while procs[0].poll() is None:
+                say(text.decode(follow.read()), end="")
+                time.sleep(0.5)
+            say(text.decode(follow.read(), final=True), end="")
+            return procs[0].returncode
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
+def say(text: str, end: str = "\n", file: TextIO | None = None) -> None:
+    """To the terminal, if there still is one (after SIGHUP there is none; the tune and its log go on)."""
+    try:
+        print(text, end=end, file=file or sys.stdout, flush=True)
+    except OSError:
+        pass
+
+
 def stop_here(folder: Path, code: int) -> None:
-    print(f"bench/fair.py: stopped; the same command continues it ({folder}/tune.log)", file=sys.stderr)
+    say(f"bench/fair.py: stopped; the same command continues it ({folder}/tune.log)", file=sys.stderr)
     sys.exit(code)
 
 
@@ -117,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     common = [*overrides, f"trainer.epochs={args.epochs}", f"tune.trials={args.trials}",
               f"tune.studies={args.studies}", "tune.sampler=qmc", "tune.pruner=none", f"tune.seeds={args.seeds}",
               "tune.untuned=false", f"tune.workers={args.procs}", "trainer.threads=1", f"tune.dir={folder}",
-              "tune.storage=journal"]
+              f"tune.storage={'sqlite' if (folder / 'optuna.db').is_file() else 'journal'}"]
     if args.target is not None:
         common.append(f"tune.target={args.target}")
     started = time.perf_counter()
@@ -141,8 +152,8 @@ def main(argv: list[str] | None = None) -> None:
         shown = f"{fit['b_crit']:.0f}" if fit["b_crit"] else "n/a"
         print(f"critical_batch_{fit['series'].replace(' ', '_')}={shown}")
     gaps = summary["gaps"]
-    shown = {k: (f"{gaps[k]:.2f}" if gaps.get(k) is not None else "n/a") for k in ("best_gap_64x", "best_gap_128x")}
-    print(f"best_gap_64x={shown['best_gap_64x']} best_gap_128x={shown['best_gap_128x']}")
+    print(" ".join(f"{k}={gaps[k]:.2f}" if gaps.get(k) is not None else f"{k}=n/a"
+                   for k in ("best_gap_64x", "best_gap_128x")))
 
 
 if __name__ == "__main__":

@@ -5,10 +5,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import queue
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -103,9 +107,8 @@ def lbt_cli(args: list[str], cwd: Path, timeout: float = 120, **kwargs) -> subpr
 def one_gloo_process() -> Iterator[None]:
     """A gloo process group of one in this process, for the block (whose objects should live in a function it
     calls). Everything that holds the group (a comm hook's state, a pending future, a device mesh) is collected
-    before the group is destroyed. The suspected cause of one test process aborted with "Resource deadlock
-    avoided" (unconfirmed): a group's last reference dropped later, on one of gloo's own threads, has that
-    thread join itself."""
+    before the group is destroyed: its last reference must not be dropped on one of gloo's own threads, which
+    would then join itself ("Resource deadlock avoided") and abort the test process."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -120,13 +123,29 @@ def one_gloo_process() -> Iterator[None]:
 def signal_after_line(args: list[str], cwd: Path, pattern: str, sig: int,
                       timeout: float = 120) -> tuple[int, str, str]:
     """Start `lbt ARGS` as a user does, send it `sig` once a line of its stdout matches `pattern` (re.search),
-    and wait for it: (its exit code, its stdout after that line, its stderr)."""
-    job = subprocess.Popen([sys.executable, "-m", "lbt", *args], cwd=cwd, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert job.stdout is not None
-    for line in job.stdout:
-        if re.search(pattern, line):
-            break
-    job.send_signal(sig)
-    out, err = job.communicate(timeout=timeout)
-    return job.returncode, out, err
+    and wait for it: (its exit code, its stdout after that line, its stderr). Its stderr goes to a file, so a
+    chatty command never blocks on a full pipe; a line that never comes fails the test within `timeout`."""
+    with tempfile.TemporaryFile("w+") as stderr:
+        job = subprocess.Popen([sys.executable, "-m", "lbt", *args], cwd=cwd, stdout=subprocess.PIPE,
+                               stderr=stderr, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        lines: queue.Queue[str] = queue.Queue()
+        reader = threading.Thread(target=lambda: [lines.put(line) for line in job.stdout or []], daemon=True)
+        reader.start()
+        try:
+            seen, deadline = [], time.monotonic() + timeout
+            while not seen or not re.search(pattern, seen[-1]):
+                try:
+                    seen.append(lines.get(timeout=max(deadline - time.monotonic(), 0.01)))
+                except queue.Empty:
+                    stderr.seek(0)
+                    raise AssertionError(f"{pattern!r} never printed; stdout: {''.join(seen)[-2000:]} "
+                                         f"stderr: {stderr.read()[-2000:]}") from None
+            job.send_signal(sig)
+            job.wait(timeout=timeout)
+        finally:
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+        reader.join(timeout=timeout)
+        stderr.seek(0)
+        return job.returncode, "".join(lines.get() for _ in range(lines.qsize())), stderr.read()

@@ -325,6 +325,7 @@ def test_optimizers_that_do_not_step_on_shards_refuse_split_layers():
             refuse_split_layers(cls, True)
         refuse_split_layers(cls, False)  # layers whole: fine
     refuse_split_layers(torch.optim.AdamW, True)  # element-wise: fine
+
     def check() -> None:
         model = MLP(hidden=8, num_layers=2)
         mesh = init_device_mesh("cpu", (1,))

@@ -131,8 +131,8 @@ def test_a_probe_stopped_among_its_branches_exits_with_the_signals_code(tmp_path
 
 @pytest.mark.slow
 def test_a_probe_stopped_in_its_base_run_says_the_probes_command(tmp_path):
-    """The base run trains in the probe's process: stopped there, the line is the probe's (it was `lbt train`'s,
-    whose rerun would train the base run alone)."""
+    """The base run trains in the probe's process: stopped there, the line is the probe's and names the probe's
+    command, not `lbt train`'s."""
     args = ["probe", *PROBE, f"probe.dir={tmp_path / 'probe'}"]
     code, _, err = signal_after_line(args, tmp_path, r"^epoch 1/", signal.SIGINT)
     assert code == 130 and "Traceback" not in err, (code, err)
@@ -144,7 +144,7 @@ def test_a_probe_stopped_in_its_base_run_says_the_probes_command(tmp_path):
 @pytest.mark.slow
 def test_a_sigterm_to_the_probe_alone_stops_the_branches_its_launcher_runs_elsewhere(tmp_path):
     """`kill PID` reaches the probe only, not the joblib workers that run its branches: they stop at their
-    next step (the stop file), where the probe waited for the whole round to finish and then stopped."""
+    next step (the stop file), none of the round's branches finishes."""
     folder = tmp_path / "probe"
     args = ["probe", *PROBE, f"probe.dir={folder}", "hydra/launcher=local_parallel"]
     code, _, err = signal_after_line(args, tmp_path, r"^probe: \d+ branch\(es\) at 1x", signal.SIGTERM)

@@ -165,6 +165,32 @@ def test_a_stop_between_the_tunes_last_look_and_the_next_is_not_lost(tmp_path, c
     assert stop_asked() is None
 
 
+def test_runs_done_counts_every_search_pruned_trials_and_finished_cells():
+    """2 cells x 2 searches x 3 trials, finals of 2 seeds without the untuned ones: one cell finished (its
+    failed trial, run again, not counted twice), the other with a pruned, a complete, a running and a failed
+    trial in one search and four complete in the other (capped at 3)."""
+    from datetime import datetime, timedelta
+
+    from lbt.apps.tune.workers import runs_done
+
+    state = optuna.trial.TrialState
+
+    def trial(kind, seconds=0.0):
+        start = datetime(2026, 1, 1)
+        values = {"value": 0.9} if kind == state.COMPLETE else {}
+        made = optuna.trial.create_trial(state=kind, **values)
+        made.datetime_start = start
+        made.datetime_complete = start + timedelta(seconds=seconds) if kind.is_finished() else None
+        return made
+
+    done_cell = (True, [[trial(state.COMPLETE, 10)] * 3 + [trial(state.FAIL)], [trial(state.COMPLETE, 10)] * 3])
+    open_cell = (False, [[trial(state.PRUNED), trial(state.COMPLETE, 40), trial(state.RUNNING), trial(state.FAIL)],
+                         [trial(state.COMPLETE, 20)] * 4])
+    done, total, seconds = runs_done(3, 2, [done_cell, open_cell])
+    assert (done, total) == (6 + 2 + 2 + 3, 2 * (2 * 3 + 2))
+    assert sorted(seconds) == [10.0] * 6 + [20.0] * 4 + [40.0]
+
+
 def test_fit_exponent_recovers_a_power_law():
     batches = [64, 256, 1024, 8192]
     assert fit_exponent(batches, [0.1 * b ** 0.5 for b in batches]) == pytest.approx((0.5, 0.1))

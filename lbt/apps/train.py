@@ -229,7 +229,7 @@ def hydra_main(cfg: DictConfig) -> None:
     try:
         result = run(make_spec(config, recipe, overrides), output_dir)
         if result.stopped and study is None and not sweeping:  # told to stop: 130/143, as at any moment
-            if stop_kept():  # a probe's base run: the probe says which command continues it
+            if stop_kept():  # a run inside a probe (keep_stop): that command says how to continue it
                 raise Stopped(stopped_by())
             stopped(stopped_by(), continue_with(config, output_dir))
         if result.stopped:  # no result.json: what the job is comes from its config

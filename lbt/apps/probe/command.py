@@ -97,16 +97,16 @@ def probe_command(args: list[str]) -> None:
 
 @contextmanager
 def branches_stop_with_the_probe(folder: Path) -> Iterator[None]:
-    """A stop asked of the probe alone (`kill PID`, where Ctrl-C reaches every process of the terminal) reaches
-    branches that a launcher runs in other processes (hydra/launcher=local_parallel) through a stop file they
-    poll (lbt/parallel/stop.py): they stop at their next step, where the probe waited for them to finish."""
-    stop = folder / ".stop"
+    """A stop asked of the probe alone (`kill PID`; Ctrl-C reaches every process of the terminal) reaches the
+    branches a launcher runs in other processes (hydra/launcher=local_parallel) through a stop file they poll
+    (lbt/parallel/stop.py), so they stop at their next step rather than train to the end of their round."""
+    stop = folder.resolve() / ".stop"  # the branches' processes may have another working directory
     stop.unlink(missing_ok=True)  # an earlier probe's, told to stop
-    with job_stop_file(stop):
-        try:
+    try:
+        with job_stop_file(stop):
             yield
-        finally:
-            stop.unlink(missing_ok=True)
+    finally:
+        stop.unlink(missing_ok=True)  # after the stop file is no longer named: a late signal rewrites none
 
 
 @contextmanager

@@ -60,25 +60,33 @@ def work(grid: TuneGrid, storage: TuneStorage, studies: list[list[optuna.Study]]
 
 
 def say_progress(grid: TuneGrid, studies: list[list[optuna.Study]]) -> None:
-    """After each run of the first worker: the tune's runs done of all (every worker's, earlier commands' too),
-    and about how long the rest takes: the runs left x the mean trial's time / tune.workers (a final run
-    trains as long as a trial)."""
+    """After each trial of the first worker, and each cell's final runs: the tune's runs done of all (every
+    worker's, earlier commands' too), and about how long the rest takes: the runs left x the mean complete
+    trial's time / tune.workers (a final run trains as long as a trial; other commands' workers not counted)."""
     s = grid.settings
-    finals_per_cell = s.seeds * (2 if s.untuned else 1)
-    done = total = 0
-    seconds = []
-    for cell, searches in zip(grid.cells, studies):
-        cell_done = finished(grid, cell, searches)
-        for study in searches:
-            trials = study.get_trials(deepcopy=False)
-            counted = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
-            done += s.trials if cell_done else min(counted, s.trials)
-            seconds += [t.duration.total_seconds() for t in trials if t.state == TrialState.COMPLETE and t.duration]
-        done += finals_per_cell if cell_done else 0
-        total += s.trials * len(searches) + finals_per_cell
+    cells = [(finished(grid, cell, searches), [study.get_trials(deepcopy=False) for study in searches])
+             for cell, searches in zip(grid.cells, studies)]
+    done, total, seconds = runs_done(s.trials, s.seeds * (2 if s.untuned else 1), cells)
     left = f"; about {duration((total - done) * sum(seconds) / len(seconds) / s.workers)} left" \
         if seconds and done < total else ""
     print(f"tune: {done} of {total} runs done ({done / total:.0%}){left}", flush=True)
+
+
+def runs_done(trials: int, finals_per_cell: int,
+              cells: list[tuple[bool, list[list[optuna.trial.FrozenTrial]]]]) -> tuple[int, int, list[float]]:
+    """(runs done, runs in all, seconds of each complete trial) of a tune of `trials` per search; `cells`: per
+    cell, whether it is finished (its final runs done) and each of its searches' trials."""
+    done = total = 0
+    seconds = []
+    for finished_cell, searches in cells:
+        for trials_of_search in searches:
+            counted = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials_of_search)
+            done += trials if finished_cell else min(counted, trials)
+            seconds += [t.duration.total_seconds() for t in trials_of_search
+                        if t.state == TrialState.COMPLETE and t.duration]
+        done += finals_per_cell if finished_cell else 0
+        total += trials * len(searches) + finals_per_cell
+    return done, total, seconds
 
 
 def run_next_trial(grid: TuneGrid, storage: TuneStorage, studies: list[list[optuna.Study]], new_runs: dict) -> bool:
