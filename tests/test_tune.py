@@ -121,7 +121,7 @@ def test_a_stopped_tune_exits_with_the_signals_code_and_the_same_command_continu
             "tune.seeds=1", "tune.workers=2", f"tune.dir={folder}"]
     code, out, err = signal_after_line(args, tmp_path, r"\] trial \d+ \(", sig)
     assert code == 128 + sig and "Traceback" not in err, (code, err)
-    assert "tune: stopped; run the same command again to continue" in out
+    assert out.count("tune: stopped; run the same command again to continue") == 1  # the helper stays quiet
     stopped = trials_in(folder)
     assert not [t for states in stopped.values() for t in states if t[1] == "RUNNING"], stopped  # the helper too
     complete = {(name, n) for name, states in stopped.items() for n, state in states if state == "COMPLETE"}

@@ -46,7 +46,8 @@ def tune(args: list[str]) -> dict:
             raise_if_stopped()  # told to stop while its helpers finished
         summary, written = write_report_once(grid, storage)
     except (Stopped, KeyboardInterrupt) as stop:
-        print(f"tune: stopped; run the same command again to continue ({folder})", flush=True)
+        if not helper:  # a helper stops with the command that started it, which says so once
+            print(f"tune: stopped; run the same command again to continue ({folder})", flush=True)
         sys.exit(128 + (stop.signum if isinstance(stop, Stopped) else signal.SIGINT))
     if helper:
         return summary
