@@ -24,8 +24,8 @@ on val (the base recipe's unless others also ran at 1, as a later command with `
 them). Trials run in `--procs` processes (tune.workers, one thread each) sharing one Optuna storage in
 --dir; interrupted, the same command continues. The full protocol is long (hours on 2 cores; tune.log times
 every trial): run it on a quiet machine. Beside other work, `nice` alone does not make it yield where Linux
-schedules by autogroup (/proc/sys/kernel/sched_autogroup_enabled = 1: each session competes as one, so a
-bench started with setsid took half the cores from a test run at nice 19): `echo 19 > /proc/<its pid>/autogroup`.
+schedules by autogroup (/proc/sys/kernel/sched_autogroup_enabled = 1: each session competes as one; a
+bench at nice 19 started with setsid still took half the cores from a test run): `echo 19 > /proc/<its pid>/autogroup`.
 The default --dir is bench/results/fair_<workload>, its trials in a journal file (tune.storage=journal; a --dir
 whose trials are in optuna.db keeps SQLite): git keeps what continues the protocol in another checkout and what
 its report reads (bench/results/.gitignore), so a protocol longer than one machine's life goes on from the last
