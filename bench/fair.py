@@ -25,7 +25,8 @@ them). Trials run in `--procs` processes (tune.workers, one thread each) sharing
 --dir; interrupted, the same command continues. The full protocol is long (hours on 2 cores; tune.log times
 every trial): run it on a quiet machine. Beside other work, `nice` alone does not make it yield where Linux
 schedules by autogroup (/proc/sys/kernel/sched_autogroup_enabled = 1: each session competes as one; a
-bench at nice 19 started with setsid still took half the cores from a test run): `echo 19 > /proc/<its pid>/autogroup`.
+bench at nice 19 started with setsid still took half the cores from a test run): `echo 19 > /proc/<pid>/autogroup`
+with the pid of each `lbt tune` it starts (the tune runs in a session, so an autogroup, of its own).
 The default --dir is bench/results/fair_<workload>, its trials in a journal file (tune.storage=journal; a --dir
 whose trials are in optuna.db keeps SQLite): git keeps what continues the protocol in another checkout and what
 its report reads (bench/results/.gitignore), so a protocol longer than one machine's life goes on from the last
