@@ -15,6 +15,7 @@ out, 10,000 test). Reported per recipe and batch:
     python bench/fair.py                                  # cnn1d: every recipe, 5 trials x 3 studies
     python bench/fair.py --workload transformer1d   # adamw_sqrt (the reference), muon, soap, schedulefree, wsd_adamw
     python bench/fair.py --recipes baseline,muon --world-sizes 16,64,128 --trials 3 --studies 2   # a smaller one
+    python bench/fair.py --tables   # runs nothing: bench/README's tables of what the folder holds so far
     python bench/fair.py --workload transformer1d --recipes adamw_sqrt --world-sizes 16,32,64 --epochs 30 \
         --target 0.955 --dir runs/tune/fair_transformer1d_long   # a longer budget where 10 epochs miss the target
 
@@ -32,7 +33,8 @@ whose trials are in optuna.db keeps SQLite): git keeps what continues the protoc
 its report reads (bench/results/.gitignore), so a protocol longer than one machine's life goes on from the last
 commit. Commit the folder with the tune paused (`kill -STOP -- -<tune pid>`, then `kill -CONT`) or stopped: a
 journal line half written when committed would make the journal unreadable once more lines follow it.
-The last lines: `critical_batch_<recipe>=<samples>` per recipe, then `best_gap_64x=<points> best_gap_128x=<points>`:
+Then bench/README's tables (steps to target, fits, test points lost; one column per recipe), and the last
+lines: `critical_batch_<recipe>=<samples>` per recipe, then `best_gap_64x=<points> best_gap_128x=<points>`:
 test points the best recipe (chosen on val) loses against the tuned base batch (positive = below).
 """
 
@@ -126,11 +128,17 @@ def main(argv: list[str] | None = None) -> None:
                         help="the val accuracy to reach (tune.target), e.g. another folder's; given, the base recipe "
                              "runs only at --world-sizes, since the target needs no batch-64 cell")
     parser.add_argument("--procs", type=int, default=2, help="trial processes at a time (tune.workers)")
+    parser.add_argument("--tables", action="store_true",
+                        help="run nothing: print the tables and last lines of what --dir holds so far")
     args = parser.parse_args(argv)
     recipes, world_sizes, overrides = WORKLOADS[args.workload]
     recipes = args.recipes.split(",") if args.recipes else recipes
     world_sizes = [int(w) for w in args.world_sizes.split(",")] if args.world_sizes else world_sizes
     folder = (args.dir or Path(__file__).parent / "results" / f"fair_{args.workload}").absolute()
+    if args.tables:
+        if not (folder / "tune_summary.json").is_file():
+            sys.exit(f"bench/fair.py: {folder} has no tune_summary.json yet")
+        return print_results(folder)
     folder.mkdir(parents=True, exist_ok=True)
     common = [*overrides, f"trainer.epochs={args.epochs}", f"tune.trials={args.trials}",
               f"tune.studies={args.studies}", "tune.sampler=qmc", "tune.pruner=none", f"tune.seeds={args.seeds}",
@@ -151,16 +159,87 @@ def main(argv: list[str] | None = None) -> None:
             stop_here(folder, code or 128 + STOP[0])
         if code:
             sys.exit(f"bench/fair.py: lbt tune {' '.join(group)} failed (exit {code}); see {folder}/tune.log")
-    summary = json.loads((folder / "tune_summary.json").read_text())
     print((folder / "tune_report.md").read_text())
     print(f"AlgoPerf protocol ({args.trials} trials x {args.studies} studies per cell, {args.seeds} seeds) in "
           f"{time.perf_counter() - started:.0f} s; report: {folder / 'tune_report.md'}")
+    print_results(folder)
+
+
+def print_results(folder: Path) -> None:
+    """bench/README's tables (one column per recipe), then the last lines, from the folder's tune_summary.json."""
+    summary = json.loads((folder / "tune_summary.json").read_text())
+    print("\n".join(["", steps_table(summary), "", fits_table(summary), "", gaps_table(summary), ""]))
     for fit in summary["steps_to_target"]["fits"]:
         shown = f"{fit['b_crit']:.0f}" if fit["b_crit"] else "n/a"
         print(f"critical_batch_{fit['series'].replace(' ', '_')}={shown}")
     gaps = summary["gaps"]
     print(" ".join(f"{k}={gaps[k]:.2f}" if gaps.get(k) is not None else f"{k}=n/a"
                    for k in ("best_gap_64x", "best_gap_128x")))
+
+
+def by_batch(cells: list[dict]) -> tuple[list[str], list[int], dict[tuple[str, int], dict]]:
+    """The recipes (first seen first), the global batches (ascending) and each (recipe, batch)'s cell."""
+    recipes = list(dict.fromkeys(cell["series"] for cell in cells))
+    batches = sorted({cell["global_batch"] for cell in cells})
+    return recipes, batches, {(cell["series"], cell["global_batch"]): cell for cell in cells}
+
+
+def table(header: list[str], rows: list[list[str]], left: int = 1) -> str:
+    """A markdown table, its first `left` columns left-aligned and the others right-aligned."""
+    lines = ["| " + " | ".join(header) + " |",
+             "| " + " | ".join("---" if i < left else "---:" for i in range(len(header))) + " |"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def steps_table(summary: dict) -> str:
+    """Steps to the target, median over studies with the range of those that reached it; "missed in k" when k
+    studies never did (the median is then infinite if k is half or more), blank where the recipe did not run."""
+    steps = summary["steps_to_target"]
+    recipes, batches, cells = by_batch(steps["cells"])
+    base = min(batches)
+
+    def shown(cell: dict | None) -> str:
+        if cell is None:
+            return ""
+        spread = f" ({cell['low']:,.0f} - {cell['high']:,.0f})" if cell["low"] is not None else ""
+        if cell["median"] is None:
+            return f"missed in {cell['missed']}{spread}"
+        return f"{cell['median']:,.0f}{spread}" + (f", missed in {cell['missed']}" if cell["missed"] else "")
+
+    rows = [[f"{batch:,} ({batch // base})", *(shown(cells.get((recipe, batch))) for recipe in recipes)]
+            for batch in batches]
+    return (f"Steps to val {steps['target']:.2%} ({steps['target_from']}):\n\n"
+            + table(["global batch (x)", *recipes], rows))
+
+
+def fits_table(summary: dict) -> str:
+    """Per recipe: the fitted S = S_min (1 + B_crit / B), and the largest batch whose median reached the target."""
+    steps = summary["steps_to_target"]
+    _, _, cells = by_batch(steps["cells"])
+    rows = []
+    for fit in steps["fits"]:
+        reached = [batch for (recipe, batch), cell in cells.items()
+                   if recipe == fit["series"] and cell["median"] is not None]
+        fitted = fit["b_crit"] is not None
+        rows.append([fit["series"], f"{fit['b_crit']:,.0f}" if fitted else f"n/a: {fit.get('note', '')}",
+                     f"{fit['s_min']:.1f}" if fitted else "n/a", f"{fit['rel_rms']:.3f}" if fitted else "n/a",
+                     ", ".join(f"{b:,}" for b in fit["batches"]), f"{max(reached):,}" if reached else "none"])
+    return table(["recipe", "fitted critical batch", "S_min (steps)", "relative rms", "batches fitted",
+                  "largest batch reaching the target (median)"], rows)
+
+
+def gaps_table(summary: dict) -> str:
+    """Test points lost against the tuned base batch, mean over the final seeds; the best recipe chosen on val."""
+    gaps = summary["gaps"]
+    recipes = list(dict.fromkeys(cell["series"] for cell in summary["steps_to_target"]["cells"]))
+    rows = [[f"{row['global_batch']:,} ({row['ratio']:.0f})",
+             *(f"{row['per_series'][r]:+.2f}" if row["per_series"].get(r) is not None else "" for r in recipes),
+             f"{row['best_series']} {row['best_gap']:+.2f}" if row.get("best_series") else "n/a"]
+            for row in gaps["batches"]]
+    reference = gaps["reference"]
+    return (f"Test points lost against {reference['series']} at {reference['global_batch']:,} "
+            f"({reference['test_acc']:.2%} test; negative: gained):\n\n"
+            + table(["global batch (x)", *recipes, "best on val: points lost"], rows))
 
 
 if __name__ == "__main__":
