@@ -50,6 +50,8 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from lbt.apps.tune.report import per_study_words, steps_fit
+
 WORKLOADS = {
     # recipes (the first is the base, also run at BASE_ONLY), world sizes of every recipe, overrides
     "cnn1d": (["baseline", "goyal2017", "lars", "lamb", "nado2021_nesterov", "muon", "soap", "schedulefree",
@@ -213,18 +215,20 @@ def steps_table(summary: dict) -> str:
 
 
 def fits_table(summary: dict) -> str:
-    """Per recipe: the fitted S = S_min (1 + B_crit / B), and the largest batch whose median reached the target."""
-    steps = summary["steps_to_target"]
-    _, _, cells = by_batch(steps["cells"])
+    """Per recipe: S = S_min (1 + B_crit / B) fitted through the medians and through each study alone (the
+    tune's own fit, redone from the cells so that a summary written before the per-study fits shows them too),
+    and the largest batch whose median reached the target."""
+    recipes, _, cells = by_batch(summary["steps_to_target"]["cells"])
     rows = []
-    for fit in steps["fits"]:
-        reached = [batch for (recipe, batch), cell in cells.items()
-                   if recipe == fit["series"] and cell["median"] is not None]
+    for recipe in recipes:
+        mine = [cell for (series, _), cell in sorted(cells.items()) if series == recipe]
+        fit, reached = steps_fit(recipe, mine), [cell["global_batch"] for cell in mine if cell["median"] is not None]
         fitted = fit["b_crit"] is not None
-        rows.append([fit["series"], f"{fit['b_crit']:,.0f}" if fitted else f"n/a: {fit.get('note', '')}",
-                     f"{fit['s_min']:.1f}" if fitted else "n/a", f"{fit['rel_rms']:.3f}" if fitted else "n/a",
-                     ", ".join(f"{b:,}" for b in fit["batches"]), f"{max(reached):,}" if reached else "none"])
-    return table(["recipe", "fitted critical batch", "S_min (steps)", "relative rms", "batches fitted",
+        rows.append([recipe, f"{fit['b_crit']:,.0f}" if fitted else f"n/a: {fit.get('note', '')}",
+                     per_study_words(fit), f"{fit['s_min']:.1f}" if fitted else "n/a",
+                     f"{fit['rel_rms']:.3f}" if fitted else "n/a", ", ".join(f"{b:,}" for b in fit["batches"]),
+                     f"{max(reached):,}" if reached else "none"])
+    return table(["recipe", "fitted critical batch", "per study", "S_min (steps)", "relative rms", "batches fitted",
                   "largest batch reaching the target (median)"], rows)
 
 

@@ -309,22 +309,23 @@ def test_every_recipe_declares_a_space_around_its_defaults(recipe):
 # -- bench/fair.py's pure parts --------------------------------------------------------------------------
 def _steps_cell(series: str, batch: int, per_study: list[float | None]) -> dict:
     reached = sorted(s for s in per_study if s is not None)
-    missed = len(per_study) - len(reached)
     median = sorted(per_study, key=lambda s: float("inf") if s is None else s)[len(per_study) // 2]
-    return {"series": series, "global_batch": batch, "median": median, "missed": missed,
-            "low": reached[0] if reached else None, "high": reached[-1] if reached else None}
+    return {"series": series, "global_batch": batch, "per_study": per_study, "median": median,
+            "missed": len(per_study) - len(reached), "low": reached[0] if reached else None,
+            "high": reached[-1] if reached else None}
 
 
 def test_fair_tables_put_one_recipe_per_column(monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "bench"))
     import fair
 
-    cells = [_steps_cell("base", 64, [3049.2, 3101.3, 3167.0]), _steps_cell("base", 1024, [241.0, 242.0, None]),
-             _steps_cell("base", 4096, [None, 129.0, None]), _steps_cell("lars", 1024, [259.3, 245.0, 265.0])]
-    fits = [{"series": "base", "batches": [64, 1024], "b_crit": 2570.9, "s_min": 72.48, "rel_rms": 0.0382},
-            {"series": "lars", "batches": [1024], "b_crit": None, "s_min": None, "rel_rms": None, "note": "too few"}]
-    summary = {"steps_to_target": {"target": 0.98383, "target_from": "base at 64 less 1 point", "cells": cells,
-                                   "fits": fits},
+    # Three studies of "base" scale as S = 100 (1 + B_crit / B) with B_crit 500, 1,000 and 2,000 (the median's);
+    # at 4,096 two of them miss: the medians' fit leaves that batch out, the one study that reached it keeps it.
+    # "lars" ran at one batch, one study missing.
+    cells = [_steps_cell("base", b, [100 * (1 + crit / b) for crit in (500, 1000, 2000)]) for b in (64, 256, 1024)]
+    cells += [_steps_cell("base", 4096, [None, 100 * (1 + 1000 / 4096), None]),
+              _steps_cell("lars", 1024, [259.3, 245.0, None])]
+    summary = {"steps_to_target": {"target": 0.98383, "target_from": "base at 64 less 1 point", "cells": cells},
                "gaps": {"reference": {"series": "base", "global_batch": 64, "test_acc": 0.99257},
                         "batches": [{"global_batch": 4096, "ratio": 64.0, "best_series": "lars", "best_gap": 0.72,
                                      "per_series": {"base": 1.823, "lars": 0.72}}]}}
@@ -332,11 +333,13 @@ def test_fair_tables_put_one_recipe_per_column(monkeypatch):
     assert steps[0] == "Steps to val 98.38% (base at 64 less 1 point):"
     assert steps[2:4] == ["| global batch (x) | base | lars |", "| --- | ---: | ---: |"]
     # A study that missed is named; the median is infinite once half or more missed; a recipe not run is blank.
-    assert steps[4:] == ["| 64 (1) | 3,101 (3,049 - 3,167) |  |",
-                         "| 1,024 (16) | 242 (241 - 242), missed in 1 | 259 (245 - 265) |",
-                         "| 4,096 (64) | missed in 2 (129 - 129) |  |"]
-    assert fair.fits_table(summary).splitlines()[2:] == [
-        "| base | 2,571 | 72.5 | 0.038 | 64, 1,024 | 1,024 |", "| lars | n/a: too few | n/a | n/a | 1,024 | 1,024 |"]
+    assert steps[4:] == ["| 64 (1) | 1,662 (881 - 3,225) |  |", "| 256 (4) | 491 (295 - 881) |  |",
+                         "| 1,024 (16) | 198 (149 - 295) | 259 (245 - 259), missed in 1 |",
+                         "| 4,096 (64) | missed in 2 (124 - 124) |  |"]
+    fits = fair.fits_table(summary).splitlines()
+    assert fits[2:] == ["| base | 1,000 | 500, 1,000, 2,000 | 100.0 | 0.000 | 64, 256, 1,024 | 1,024 |",
+                        "| lars | n/a: need at least 3 distinct batches to fit a critical batch, got 1 | n/a, n/a, n/a "
+                        "| n/a | n/a | 1,024 | 1,024 |"]
     gaps = fair.gaps_table(summary).splitlines()
     assert gaps[0] == "Test points lost against base at 64 (99.26% test; negative: gained):"
     assert gaps[-1] == "| 4,096 (64) | +1.82 | +0.72 | lars +0.72 |"

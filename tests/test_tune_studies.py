@@ -11,7 +11,7 @@ from test_tune import TINY, trials_in
 from lbt.apps import cli
 from lbt.apps.tune.command import tune
 from lbt.apps.tune.finals import median_search
-from lbt.apps.tune.report import fewest_steps, steps_fit
+from lbt.apps.tune.report import fewest_steps, per_study_words, steps_fit
 from lbt.errors import ConfigError
 from lbt.metrics.critical import crossing_step
 from lbt.spec.objective import ACC, LOSS
@@ -142,3 +142,17 @@ def test_steps_fit_recovers_the_critical_batch_and_says_why_not():
     assert fit["b_crit"] == pytest.approx(512) and fit["s_min"] == pytest.approx(100)
     assert fit["batches"] == [64, 256, 1024, 4096]
     assert "at least 3 distinct batches" in steps_fit("lars", rows[:2])["note"]
+
+
+def test_steps_fit_fits_each_study_alone_for_its_spread():
+    # Study 1 scales with B_crit 512, study 2 with 2,048; study 3 reached the target at two batches only.
+    batches = (64, 256, 1024, 4096)
+    curves = [[100 * (1 + 512 / b) for b in batches], [80 * (1 + 2048 / b) for b in batches],
+              [120 * (1 + 512 / 64), 90 * (1 + 512 / 256), None, None]]
+    rows = [{"global_batch": b, "per_study": [curve[i] for curve in curves],
+             "median": sorted((curve[i] for curve in curves), key=lambda s: s or math.inf)[1]}
+            for i, b in enumerate(batches)]
+    fit = steps_fit("muon", rows)
+    assert fit["per_study_b_crit"][:2] == pytest.approx([512, 2048]) and fit["per_study_b_crit"][2] is None
+    assert per_study_words(fit) == "512, 2,048, n/a"
+    assert fit["b_crit"] is not None  # the medians' fit stands beside them
