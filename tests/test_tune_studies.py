@@ -66,6 +66,8 @@ def test_independent_studies_per_cell_then_steps_to_target_and_the_fitted_critic
     assert fit["series"] == "baseline" and (fit["b_crit"] is not None or fit["note"])
     report = (tmp_path / "tune_report.md").read_text()
     assert "## Steps to target (AlgoPerf-style)" in report and "fitted critical batch" in report
+    assert "![steps to target vs global batch](steps_to_target.png)" in report
+    assert (tmp_path / "steps_to_target.png").stat().st_size > 0
     assert "in each of **2 independent studies**" in report
 
     # The same command again: nothing new.

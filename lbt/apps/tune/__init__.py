@@ -17,7 +17,7 @@ Check"). `lbt tune` runs one protocol for every cell of a grid:
     for cell: the best values of the median search, and the recipe's untuned defaults, each trained
         with tune.seeds fresh seeds and scored on val and, once, on test
     tune_report.md (with steps to target per cell and the fitted critical batch per recipe),
-        tune_summary.json, best_lr_vs_batch.png
+        tune_summary.json, best_lr_vs_batch.png, steps_to_target.png (steps to the target vs global batch)
 
 The trials live in an Optuna storage (tune.storage: SQLite in tune.dir by default, a journal file,
 or a database server; storage.py), one Optuna study per cell and search, so the same command again runs only
@@ -30,7 +30,7 @@ or several `lbt tune` commands on one tune.dir) share the trials of every cell: 
     <tune.dir>/final/tuned/<cell>/seed_<s>/      the best values, seed s
     <tune.dir>/final/default/<cell>/seed_<s>/    the recipe's defaults, seed s
                                                  (`lbt report <tune.dir>/final`: tuned vs untuned, per recipe)
-    <tune.dir>/tune_report.md, tune_summary.json, best_lr_vs_batch.png
+    <tune.dir>/tune_report.md, tune_summary.json, best_lr_vs_batch.png, steps_to_target.png
 
 grid.py reads the command line into cells, trials.py runs a cell's trials, finals.py its final runs,
 report.py writes the report, storage.py opens the trials' storage, workers.py is each worker's loop;
@@ -48,7 +48,7 @@ HELP = """usage: lbt tune [overrides]
 The same tuning budget for every (recipe, world size) cell: tune.trials Optuna trials per cell
 (TPE, seeded; a pruner fed the val accuracy), each an `lbt train` run selected on val; then the best
 values and the recipe's untuned defaults with tune.seeds fresh seeds, scored once on test.
-Writes tune_report.md, tune_summary.json, best_lr_vs_batch.png and optuna.db into tune.dir;
+Writes tune_report.md, tune_summary.json, best_lr_vs_batch.png, steps_to_target.png and optuna.db into tune.dir;
 the same command again continues an interrupted tune.
 
   lbt tune                                             the default grid (conf/tune/default.yaml)

@@ -1,5 +1,6 @@
 """The tune's report: tune_summary.json (the protocol, every cell, the fitted LR exponents, the gaps to the
-smallest batch), tune_report.md and best_lr_vs_batch.png."""
+smallest batch, the steps to target and the fitted critical batches), tune_report.md, best_lr_vs_batch.png and
+steps_to_target.png."""
 
 from __future__ import annotations
 
@@ -302,6 +303,7 @@ def steps_lines(steps: dict, metric: Metric) -> list[str]:
              "none of whose trials reached it counts as infinite), then the **median over the studies**, with the "
              "range of those that reached it. Perfect scaling: the smallest batch's median x its batch / this batch. "
              "Fitted: S = S_min (1 + B_crit / B) through the curve's medians.", "",
+             "![steps to target vs global batch](steps_to_target.png)", "",
              "| recipe | global batch | steps to target (median) | range over studies | studies missed | "
              "perfect scaling | fitted |", "| --- | ---: | ---: | --- | ---: | ---: | ---: |"]
     fits = {fit["series"]: fit for fit in steps["fits"]}
@@ -375,7 +377,49 @@ def plot_best_lr(summary: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
+def plot_steps_to_target(steps: dict, path: Path, metric: Metric = ACC) -> None:
+    """Steps to the target vs global batch, log-log, per recipe: the medians over the studies (bars: the range
+    of the studies that reached it), each recipe's fitted S(B) dashed, and perfect linear scaling dotted from
+    the smallest batch's median."""
+    fig, ax = figure()
+    fits = {fit["series"]: fit for fit in steps["fits"]}
+    batches = sorted({r["global_batch"] for r in steps["cells"]})
+    for series in dict.fromkeys(r["series"] for r in steps["cells"]):
+        reached = sorted((r for r in steps["cells"] if r["series"] == series and r["median"] is not None),
+                         key=lambda r: r["global_batch"])
+        if not reached:
+            continue
+        fit = fits[series]
+        label = series + (f": B_crit={fit['b_crit']:,.0f}, S_min={fit['s_min']:,.0f}" if fit["b_crit"] else "")
+        medians = [r["median"] for r in reached]
+        bars = ax.errorbar([r["global_batch"] for r in reached], medians, marker="o", capsize=3, label=label,
+                           yerr=[[m - r["low"] for m, r in zip(medians, reached)],
+                                 [r["high"] - m for m, r in zip(medians, reached)]])
+        if fit["b_crit"]:
+            grid = [batches[0] * (batches[-1] / batches[0]) ** (i / 50) for i in range(51)]
+            ax.plot(grid, [fit["s_min"] * (1 + fit["b_crit"] / b) for b in grid], "--", color=bars.lines[0].get_color())
+    first = min((r for r in steps["cells"] if r["median"] is not None), key=lambda r: r["global_batch"], default=None)
+    if first is not None:
+        ax.plot(batches, [first["median"] * first["global_batch"] / b for b in batches], ":", color="gray",
+                label="perfect linear scaling")
+    batch_axis(ax)
+    ax.set_yscale("log")
+    ax.set_ylabel(f"steps to val {metric.label} {metric.show(steps['target'])}{metric.suffix}")
+    ax.set_title("Steps to the target vs global batch (median over studies; bars: their range;\n"
+                 "dashed: fitted S = S_min (1 + B_crit / B); a batch whose median missed is left out)", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    if first is not None:
+        ax.legend(fontsize=7)
+    else:  # an empty plot says why rather than showing bare axes
+        ax.text(0.5, 0.5, "no cell's median reached the target", ha="center", transform=ax.transAxes)
+    save_figure(fig, path)
+
+
 def write_tune_report(folder: Path, summary: dict) -> None:
     plot_best_lr(summary, folder / "best_lr_vs_batch.png")
+    steps = summary.get("steps_to_target") or {}
+    if steps.get("cells"):
+        metric = metric_named(summary["settings"].get("metric", "acc"), "tune.metric")
+        plot_steps_to_target(steps, folder / "steps_to_target.png", metric)
     atomic_write(folder / "tune_summary.json", lambda f: f.write(json.dumps(summary, indent=2).encode()))
     atomic_write(folder / "tune_report.md", lambda f: f.write(markdown(summary).encode()))
