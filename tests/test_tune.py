@@ -305,7 +305,6 @@ def test_every_recipe_declares_a_space_around_its_defaults(recipe):
         assert spec["low"] <= node <= spec["high"], f"{recipe}: {key}={node} outside its tune range"
 
 
-
 # -- bench/fair.py's pure parts --------------------------------------------------------------------------
 def _steps_cell(series: str, batch: int, per_study: list[float | None]) -> dict:
     reached = sorted(s for s in per_study if s is not None)

@@ -161,11 +161,10 @@ def steps_fit(series: str, rows: list[dict]) -> dict[str, Any]:
     and its spread: each study's own curve (study k's fastest trial at every batch it reached; the studies are
     independent repetitions of the whole protocol) fitted alone, None where that one cannot be."""
     reached = [r for r in rows if r["median"] is not None]
+    studies = max((len(r.get("per_study", [])) for r in rows), default=0)
     fit: dict[str, Any] = {"series": series, "batches": [r["global_batch"] for r in reached], "b_crit": None,
                            "s_min": None, "rel_rms": None,
-                           "per_study_b_crit": [study_b_crit(rows, k)
-                                                for k in range(max((len(r.get("per_study", [])) for r in rows),
-                                                                   default=0))]}
+                           "per_study_b_crit": [study_b_crit(rows, k) for k in range(studies)]}
     try:
         found = fit_steps_to_target(fit["batches"], [r["median"] for r in reached])
         fit.update(b_crit=found.b_crit, s_min=found.s_min, rel_rms=found.rel_rms)
@@ -314,7 +313,7 @@ def steps_lines(steps: dict, metric: Metric) -> list[str]:
         span = "n/a" if r["low"] is None else f"{r['low']:,.0f} - {r['high']:,.0f}"
         lines.append(f"| {r['series']} | {r['global_batch']:,} | {number(r['median'], ',.0f')} | {span} | "
                      f"{r['missed']}/{len(r['per_study'])} | {number(perfect, ',.0f')} | {number(fitted, ',.0f')} |")
-    lines += ["The critical batch fitted through the medians; beside it, each study's own curve fitted alone (n/a: "
+    lines += ["", "The critical batch fitted through the medians; beside it, each study's own curve fitted alone (n/a: "
               "that study reached the target at fewer than 3 batches, or its steps show no critical batch): two "
               "recipes whose per-study fits overlap are not told apart by this budget.", "",
               "| recipe | fitted critical batch | per study | S_min (steps) | relative rms | batches fitted |",
