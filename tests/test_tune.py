@@ -165,6 +165,39 @@ def test_a_stop_between_the_tunes_last_look_and_the_next_is_not_lost(tmp_path, c
     assert stop_asked() is None
 
 
+def test_a_second_stop_kills_the_helpers_that_do_not_stop(monkeypatch, capsys):
+    """A helper that ignores SIGTERM (hung): the tune says it waits, and a second Ctrl-C kills it (before, the
+    tune waited for it for ever, and Ctrl-C again did nothing)."""
+    import subprocess
+    import threading
+    import time
+
+    from lbt.apps.tune import workers
+    from lbt.parallel.stop import ask_stop, forget_stop
+
+    hung = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                             "signal.SIG_IGN); print('ready', flush=True); time.sleep(120)"], stdout=subprocess.PIPE)
+    assert hung.stdout is not None and hung.stdout.readline() == b"ready\n"  # SIGTERM is ignored from here
+    monkeypatch.setattr(workers, "HELPER_PATIENCE_S", 0.2)
+    forget_stop()
+    ask_stop(signal.SIGINT)  # the first Ctrl-C
+    second = threading.Timer(1.0, ask_stop, args=(signal.SIGINT,))
+    second.start()
+    started = time.monotonic()
+    try:
+        workers.stop_helpers([hung], stopping=True)
+    finally:
+        second.cancel()
+        forget_stop()
+        if hung.poll() is None:
+            hung.kill()
+            hung.wait()
+    assert hung.returncode == -signal.SIGKILL and time.monotonic() - started < 30
+    err = capsys.readouterr().err
+    assert "tune: waiting for the other workers to stop; Ctrl-C again kills them" in err
+    assert "tune: killed 1 worker(s) that had not stopped; their trials run again next time" in err
+
+
 def test_runs_done_counts_every_search_pruned_trials_and_finished_cells():
     """2 cells x 2 searches x 3 trials, finals of 2 seeds without the untuned ones: one cell finished (its
     failed trial, run again, not counted twice), the other with a pruned, a complete, a running and a failed

@@ -23,6 +23,7 @@ from typing import Iterator
 
 STOP_FILE = "LBT_STOP_FILE"
 _asked: list[int] = []  # the stop this process was asked for (its first signal), file or not
+_repeated: list[int] = []  # the signals asked after the first: a second Ctrl-C means "now" where waiting is long
 _kept: list[bool] = []  # a command of many runs keeps the stop across its runs' starts (keep_stop)
 
 
@@ -49,6 +50,8 @@ def ask_stop(signum: int) -> bool:
     Whether the stop file holds it (False: no stop file, or it cannot be written: a full disk)."""
     if not _asked:
         _asked.append(signum)
+    else:
+        _repeated.append(signum)
     path = stop_file()
     if path is None:
         return False
@@ -66,6 +69,13 @@ def forget_stop(run_start: bool = False) -> None:
     command last looked, just before the run started, stops the run before its first step."""
     if not (run_start and _kept):
         _asked.clear()
+        _repeated.clear()
+
+
+def asked_again() -> bool:
+    """Whether this process was asked to stop a second time (a second Ctrl-C): what waits for others to stop
+    cleanly stops waiting."""
+    return bool(_repeated)
 
 
 @contextmanager

@@ -30,9 +30,10 @@ from lbt.apps.tune.grid import TuneGrid
 from lbt.apps.tune.report import summarize, write_tune_report
 from lbt.apps.tune.storage import TuneStorage, cell_lock, claim_lock
 from lbt.apps.tune.trials import TrialState, claim_trial, run_trial
-from lbt.parallel.stop import stop_asked
+from lbt.parallel.stop import asked_again, stop_asked
 
 HELPER = "LBT_TUNE_HELPER"  # set in the extra processes of tune.workers=N: they leave the talking to the first
+HELPER_PATIENCE_S = 5.0  # how long helpers told to stop may take before the tune says it waits for them
 
 
 def work(grid: TuneGrid, storage: TuneStorage, studies: list[list[optuna.Study]], new_runs: dict) -> None:
@@ -144,7 +145,9 @@ def helpers(args: list[str], workers: int) -> Iterator[None]:
     """tune.workers=N: N - 1 more `lbt tune` processes of the same command, working beside this one.
 
     They end on their own once every cell is finished; if this one stops or fails, they are stopped too
-    (SIGTERM: a running trial is told failed, and run again by the same command).
+    (SIGTERM: a running trial is told failed, and run again by the same command). One that does not stop
+    (hung) is killed on a second Ctrl-C or SIGTERM to this process: its trial's heartbeat stops, and the next
+    command runs it again.
     """
     argv = [a for a in args if not a.lstrip("+").startswith("tune.workers=")] + ["tune.workers=1"]
     env = {**os.environ, HELPER: "1"}
@@ -154,14 +157,31 @@ def helpers(args: list[str], workers: int) -> Iterator[None]:
         yield
         ended = True
     finally:
-        stopping = False
-        while any(proc.poll() is None for proc in procs):  # told to stop while they finish: they stop too
-            if not stopping and (not ended or stop_asked() is not None):
-                stopping = True
-                for proc in procs:
-                    if proc.poll() is None:
-                        proc.send_signal(signal.SIGTERM)
-            time.sleep(0.1)
-        for proc in procs:
-            if proc.returncode != 0 and not stopping:
-                print(f"tune: worker pid {proc.pid} ended with exit code {proc.returncode}", flush=True)
+        stop_helpers(procs, stopping=not ended)
+
+
+def stop_helpers(procs: list[subprocess.Popen], stopping: bool) -> None:
+    """Wait for the helpers: to finish their cells, or, `stopping` (or once a stop is asked), to stop; a second
+    stop asked kills those still running after saying so."""
+    told_at, killed, said = 0.0, False, False
+    while any(proc.poll() is None for proc in procs):
+        if not told_at and (stopping or stop_asked() is not None):
+            told_at = time.monotonic()
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+        if told_at and not said and time.monotonic() - told_at > HELPER_PATIENCE_S:
+            said = True  # a trial stops at its next log step: seconds, unless a helper hangs
+            print("tune: waiting for the other workers to stop; Ctrl-C again kills them", file=sys.stderr,
+                  flush=True)
+        if told_at and asked_again() and not killed:
+            killed = True
+            hung = [proc for proc in procs if proc.poll() is None]
+            for proc in hung:
+                proc.kill()
+            print(f"tune: killed {len(hung)} worker(s) that had not stopped; their trials run again next time",
+                  file=sys.stderr, flush=True)
+        time.sleep(0.1)
+    for proc in procs:
+        if proc.returncode != 0 and not told_at:
+            print(f"tune: worker pid {proc.pid} ended with exit code {proc.returncode}", flush=True)
