@@ -59,3 +59,19 @@ def test_train_log_holds_the_epoch_lines_and_the_closing_line(tmp_path, procs):
     assert epoch_lines[0][:4].isdigit()  # timestamped
     # The console shows the same lines, untimestamped.
     assert "epoch 2/2 step" in result.stdout and "done: test_acc=" in result.stdout
+
+
+def test_a_quiet_studys_jobs_keep_their_train_log(tmp_path):
+    """`lbt study` silences Hydra's logging (hydra/job_logging=disabled), whose dictConfig disabled every logger
+    already made, lbt's own among them: each job's train.log was empty (the basic launcher: jobs in this
+    process, as the joblib launcher's workers run them)."""
+    from lbt.apps.cli import main
+
+    main(["study", "recipe=baseline", *FAST, "model=mlp", "data.num_train=256", "trainer.epochs=1",
+          "trainer.per_worker_batch=32", "dist.world_size=1,2", "extra_sweeps={}", "hydra/launcher=basic",
+          f"hydra.sweep.dir={tmp_path}"])
+    logs = sorted(tmp_path.glob("*/train.log"))
+    assert len(logs) == 2
+    for log in logs:
+        text = log.read_text()
+        assert " epoch 1/1 step " in text and "done: test_acc=" in text, (log, text)

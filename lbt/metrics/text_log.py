@@ -40,6 +40,9 @@ def text_log(run_dir: str | Path | None):
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(Path(run_dir) / "train.log", encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+    # Hydra's `hydra/job_logging=disabled` (a quiet study's, a probe's) runs logging's dictConfig with
+    # disable_existing_loggers, which disables this logger too: every job's train.log stayed empty.
+    LOG.disabled = False
     LOG.addHandler(handler)
     try:
         yield
