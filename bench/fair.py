@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import codecs
-import json
 import signal
 import subprocess
 import sys
@@ -50,7 +49,9 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from lbt.apps.tune.report import per_study_words, steps_fit
+from lbt.apps.tune.finals import read_cell
+from lbt.apps.tune.report import gaps_to_base, per_study_words, steps_fit, steps_to_target
+from lbt.spec.objective import ACC
 
 WORKLOADS = {
     # recipes (the first is the base, also run at BASE_ONLY), world sizes of every recipe, overrides
@@ -138,9 +139,9 @@ def main(argv: list[str] | None = None) -> None:
     world_sizes = [int(w) for w in args.world_sizes.split(",")] if args.world_sizes else world_sizes
     folder = (args.dir or Path(__file__).parent / "results" / f"fair_{args.workload}").absolute()
     if args.tables:
-        if not (folder / "tune_summary.json").is_file():
-            sys.exit(f"bench/fair.py: {folder} has no tune_summary.json yet")
-        return print_results(folder)
+        if not list((folder / "cells").glob("*.json")):
+            sys.exit(f"bench/fair.py: {folder} has no finished cell yet")
+        return print_results(folder, args.target)
     folder.mkdir(parents=True, exist_ok=True)
     common = [*overrides, f"trainer.epochs={args.epochs}", f"tune.trials={args.trials}",
               f"tune.studies={args.studies}", "tune.sampler=qmc", "tune.pruner=none", f"tune.seeds={args.seeds}",
@@ -164,12 +165,12 @@ def main(argv: list[str] | None = None) -> None:
     print((folder / "tune_report.md").read_text())
     print(f"AlgoPerf protocol ({args.trials} trials x {args.studies} studies per cell, {args.seeds} seeds) in "
           f"{time.perf_counter() - started:.0f} s; report: {folder / 'tune_report.md'}")
-    print_results(folder)
+    print_results(folder, args.target)
 
 
-def print_results(folder: Path) -> None:
-    """bench/README's tables (one column per recipe), then the last lines, from the folder's tune_summary.json."""
-    summary = json.loads((folder / "tune_summary.json").read_text())
+def print_results(folder: Path, target: float | None) -> None:
+    """bench/README's tables (one column per recipe), then the last lines, for every finished cell."""
+    summary = folder_summary(folder, target)
     print("\n".join(["", steps_table(summary), "", fits_table(summary), "", gaps_table(summary), ""]))
     for fit in summary["steps_to_target"]["fits"]:
         shown = f"{fit['b_crit']:.0f}" if fit["b_crit"] else "n/a"
@@ -177,6 +178,19 @@ def print_results(folder: Path) -> None:
     gaps = summary["gaps"]
     print(" ".join(f"{k}={gaps[k]:.2f}" if gaps.get(k) is not None else f"{k}=n/a"
                    for k in ("best_gap_64x", "best_gap_128x")))
+
+
+def folder_summary(folder: Path, target: float | None) -> dict:
+    """The gaps and steps to target of every finished cell in the folder (cells/*.json), as the tune's report
+    computes them: tune_summary.json is written only when a tune's last cell finishes."""
+    cells = []
+    for path in sorted((folder / "cells").glob("*.json")):
+        try:
+            cells.append(read_cell(path)[0])
+        except (OSError, ValueError):
+            continue  # being written
+    gaps = gaps_to_base(cells)
+    return {"gaps": gaps, "steps_to_target": steps_to_target(cells, ACC, target, gaps.get("reference"))}
 
 
 def by_batch(cells: list[dict]) -> tuple[list[str], list[int], dict[tuple[str, int], dict]]:
