@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import TextIO
 
 from lbt.apps.tune.finals import read_cell
-from lbt.apps.tune.report import gaps_to_base, per_study_words, steps_fit, steps_to_target
+from lbt.apps.tune.report import gaps_to_base, per_study_words, steps_to_target
 from lbt.spec.objective import ACC
 
 WORKLOADS = {
@@ -230,15 +230,14 @@ def steps_table(summary: dict) -> str:
 
 def fits_table(summary: dict) -> str:
     """Per recipe: S = S_min (1 + B_crit / B) fitted through the medians and through each study alone (the
-    tune's own fit, redone from the cells so that a summary written before the per-study fits shows them too),
-    and the largest batch whose median reached the target."""
-    recipes, _, cells = by_batch(summary["steps_to_target"]["cells"])
+    tune's own fits), and the largest batch whose median reached the target."""
+    steps = summary["steps_to_target"]
     rows = []
-    for recipe in recipes:
-        mine = [cell for (series, _), cell in sorted(cells.items()) if series == recipe]
-        fit, reached = steps_fit(recipe, mine), [cell["global_batch"] for cell in mine if cell["median"] is not None]
+    for fit in steps["fits"]:
+        reached = [cell["global_batch"] for cell in steps["cells"]
+                   if cell["series"] == fit["series"] and cell["median"] is not None]
         fitted = fit["b_crit"] is not None
-        rows.append([recipe, f"{fit['b_crit']:,.0f}" if fitted else f"n/a: {fit.get('note', '')}",
+        rows.append([fit["series"], f"{fit['b_crit']:,.0f}" if fitted else f"n/a: {fit.get('note', '')}",
                      per_study_words(fit), f"{fit['s_min']:.1f}" if fitted else "n/a",
                      f"{fit['rel_rms']:.3f}" if fitted else "n/a", ", ".join(f"{b:,}" for b in fit["batches"]),
                      f"{max(reached):,}" if reached else "none"])

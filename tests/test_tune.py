@@ -15,7 +15,7 @@ from test_cli_errors import run_main_io
 from lbt.apps import cli
 from lbt.apps.tune.command import tune
 from lbt.apps.tune.grid import check_space
-from lbt.apps.tune.report import claimed_exponent, fit_exponent
+from lbt.apps.tune.report import claimed_exponent, fit_exponent, steps_fit
 from lbt.apps.tune.trials import PruneOnVal
 from lbt.errors import ConfigError
 from lbt.spec.batching import BatchLayout
@@ -357,7 +357,9 @@ def test_fair_tables_put_one_recipe_per_column(monkeypatch):
     cells = [_steps_cell("base", b, [100 * (1 + crit / b) for crit in (500, 1000, 2000)]) for b in (64, 256, 1024)]
     cells += [_steps_cell("base", 4096, [None, 100 * (1 + 1000 / 4096), None]),
               _steps_cell("lars", 1024, [259.3, 245.0, None])]
-    summary = {"steps_to_target": {"target": 0.98383, "target_from": "base at 64 less 1 point", "cells": cells},
+    fits = [steps_fit(recipe, [cell for cell in cells if cell["series"] == recipe]) for recipe in ("base", "lars")]
+    summary = {"steps_to_target": {"target": 0.98383, "target_from": "base at 64 less 1 point", "cells": cells,
+                                   "fits": fits},
                "gaps": {"reference": {"series": "base", "global_batch": 64, "test_acc": 0.99257},
                         "batches": [{"global_batch": 4096, "ratio": 64.0, "best_series": "lars", "best_gap": 0.72,
                                      "per_series": {"base": 1.823, "lars": 0.72}}]}}
