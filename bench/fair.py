@@ -17,7 +17,9 @@ out, 10,000 test). Reported per recipe and batch:
     python bench/fair.py --recipes baseline,muon --world-sizes 16,64,128 --trials 3 --studies 2   # a smaller one
     python bench/fair.py --tables   # runs nothing: bench/README's tables of what the folder holds so far
     python bench/fair.py --workload transformer1d --recipes adamw_sqrt --world-sizes 16,32,64 --epochs 30 \
-        --target 0.955 --dir runs/tune/fair_transformer1d_long   # a longer budget where 10 epochs miss the target
+        --target 0.955 --stop-at-target --dir runs/tune/fair_transformer1d_long   # a longer budget where 10
+        # epochs miss the target; each trial ends where it reaches it (AlgoPerf's rule), which leaves its steps
+        # to the target as they were and saves the rest of its run
 
 By default every recipe runs at world size 1 (global batch 64) and the workload's larger ones; the base recipe
 (the first of --recipes) also runs at 1 and 4 (256) whatever --world-sizes says, unless --target is given. Gaps
@@ -130,6 +132,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", type=float,
                         help="the val accuracy to reach (tune.target), e.g. another folder's; given, the base recipe "
                              "runs only at --world-sizes, since the target needs no batch-64 cell")
+    parser.add_argument("--stop-at-target", action="store_true",
+                        help="with --target: end each trial at the evaluation that reaches it (tune.stop_at_target, "
+                             "tune.objective=steps_to_target); the final runs train the whole budget")
     parser.add_argument("--procs", type=int, default=2, help="trial processes at a time (tune.workers)")
     parser.add_argument("--tables", action="store_true",
                         help="run nothing: print the tables and last lines of what --dir holds so far")
@@ -147,8 +152,12 @@ def main(argv: list[str] | None = None) -> None:
               f"tune.studies={args.studies}", "tune.sampler=qmc", "tune.pruner=none", f"tune.seeds={args.seeds}",
               "tune.untuned=false", f"tune.workers={args.procs}", "trainer.threads=1", f"tune.dir={folder}",
               f"tune.storage={'sqlite' if (folder / 'optuna.db').is_file() else 'journal'}"]
+    if args.stop_at_target and args.target is None:
+        parser.error("--stop-at-target needs --target: the target of the base batch is known only when its cell ends")
     if args.target is not None:
         common.append(f"tune.target={args.target}")
+    if args.stop_at_target:
+        common += ["tune.objective=steps_to_target", "tune.stop_at_target=true"]
     started = time.perf_counter()
     base_sizes = sorted(set(world_sizes if args.target is not None else BASE_ONLY + world_sizes))
     # The base recipe first (its tuned val accuracy at batch 64 sets the target), then the others; the last

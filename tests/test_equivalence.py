@@ -122,3 +122,21 @@ def test_passes_of_a_few_workers_are_exact_too(tmp_path):
         paths[fuse] = final_params(tmp_path / fuse)
     assert relative_diff(paths["auto"], paths["true"]) < 1e-5 and relative_diff(paths["auto"], paths["false"]) < 1e-5
     assert not paths["auto"].equal(paths["true"]) and not paths["auto"].equal(paths["false"])
+
+
+@pytest.mark.slow
+def test_real_processes_stop_at_a_target_where_simulated_workers_do(tmp_path):
+    """trainer.stop_at_val_acc reads the val split scored over every process (an allreduce), so a run's
+    processes agree on the evaluation that ends it: W=2 on 2 processes ends where W=2 on 1 process does."""
+    common = ["model=mlp", *STEPS, "data.val_fraction=0.25", "trainer.epochs=2", "dist.world_size=2",
+              "trainer.global_batch=64"]
+    whole = train(tmp_path / "whole", common + ["dist.procs=1"])
+    history = whole["val_history"]
+    # An evaluation before the last that is the first to reach its accuracy: the stop's.
+    k = next(k for k, p in enumerate(history[:-1]) if k > 2 and all(q["acc"] < p["acc"] for q in history[:k]))
+    stop = f"trainer.stop_at_val_acc={history[k]['acc']!r}"
+    real = train(tmp_path / "real", common + ["dist.procs=2", stop])
+    simulated = train(tmp_path / "sim", common + ["dist.procs=1", stop])
+    assert real["ended_at_target"] and simulated["ended_at_target"]
+    assert real["steps"] == simulated["steps"] == history[k]["step"] < whole["steps"]
+    assert real["final_val_acc"] == pytest.approx(simulated["final_val_acc"]) == history[k]["acc"]

@@ -31,6 +31,13 @@ ONE_LINE = {
     "model_is_another_class": (["model._target_=subprocess.Popen"], "model._target_ must name an nn.Module subclass"),
     "optimizer_is_a_layer": (["optim.optimizer_class=torch.nn.Linear"], "must name a torch.optim.Optimizer subclass"),
     "model_from_the_standard_library": (["model._target_=shutil.rmtree"], "is a function from shutil"),
+    # A run stopped at a target: one target, in range, on the val split only.
+    "stop_at_two_targets": (["trainer.stop_at_val_acc=0.9", "trainer.stop_at_val_loss=0.1"],
+                            "trainer.stop_at_val_acc and trainer.stop_at_val_loss are both set: give one target"),
+    "stop_at_a_percentage": (["trainer.stop_at_val_acc=95"],
+                             "trainer.stop_at_val_acc must be a number in (0, 1], got 95.0"),
+    "stop_at_test": (["data.val_fraction=0", "trainer.stop_at_val_acc=0.9"],
+                     "stops on the val split, and this data holds none out"),
     # Files that are not data files.
     "data_path_is_a_device": (["data=text", "data.path=/dev/zero"], "is not a regular file"),
 }

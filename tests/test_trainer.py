@@ -63,7 +63,7 @@ class CountingStrategy(StepStrategy):
         return synchronous_step(inputs, labels, layout)
 
 
-def trainer(run_dir=None, epochs: int = 3, techniques=(), **trainer_changes) -> Trainer:
+def trainer(run_dir=None, epochs: int = 3, techniques=(), stop_at_val=None, **trainer_changes) -> Trainer:
     config = {**CONFIG, "trainer": {**CONFIG["trainer"], "epochs": epochs, **trainer_changes}}
     spec = build_spec(config)
     parts = build_parts(spec, CPU, list(techniques))
@@ -72,7 +72,7 @@ def trainer(run_dir=None, epochs: int = 3, techniques=(), **trainer_changes) -> 
             technique.optimizer = parts.optimizer
     checkpointer = Checkpointer(run_dir, 0, 1) if run_dir is not None else None
     settings = LoopSettings(log_every=spec.trainer.log_every, progress=False, evals=spec.trainer.evals,
-                            checkpoint_every=0)
+                            checkpoint_every=0, stop_at_val=stop_at_val)
     return Trainer(parts, CPU, settings, checkpointer=checkpointer)
 
 
@@ -125,3 +125,28 @@ def test_a_checkpoint_loaded_into_a_new_trainer_continues_bitwise(tmp_path):
         assert torch.equal(a, b)
     assert resumed.result.steps == straight.result.steps == 12
     assert resumed.result.final_acc == straight.result.final_acc
+
+
+def first_reaching(history, ends: bool):
+    """An evaluation that is the first to reach its own accuracy, inside an epoch (ends=False) or at an epoch's
+    end (True: steps 6, 12, 18), and not the last: (its index, its accuracy)."""
+    for k, point in enumerate(history[:-1]):
+        if (point.step % 6 == 0) == ends and all(p.acc < point.acc for p in history[:k]):
+            return k, point.acc
+    raise AssertionError(f"no such evaluation in {[(p.step, p.acc) for p in history]}")
+
+
+def test_a_run_stopped_at_its_target_is_the_whole_run_up_to_that_evaluation():
+    """trainer.stop_at_val_acc ends the run at the first evaluation that reaches it, inside an epoch or at its
+    end: what it measured up to there is the whole run's, bit for bit (the LR schedule still spans the budget)."""
+    whole = trainer()
+    whole.fit()
+    for ends in (False, True):
+        k, target = first_reaching(whole.result.history, ends)
+        recorder = Recorder()
+        result = trainer(techniques=[recorder], stop_at_val=("acc", target)).fit()
+        assert result.ended_at_target and not whole.result.ended_at_target
+        assert result.history == whole.result.history[:k + 1]
+        assert result.steps == result.history[-1].step < whole.result.steps
+        assert recorder.lrs == [lr_at(step * 32, whole.schedule) for step in range(result.steps)]
+        assert result.test_acc is not None and result.final_acc == target

@@ -95,6 +95,35 @@ def test_the_steps_objective_minimises_steps_and_counts_a_missed_target_as_infin
     assert all(0 < t.value < math.inf and t.value == t.user_attrs["steps_to_target"] for t in trials)
 
 
+@pytest.mark.slow
+def test_trials_stopped_at_the_target_end_there_and_the_fastest_is_the_best(tmp_path):
+    """tune.stop_at_target: a trial ends at the evaluation that reaches tune.target (AlgoPerf's rule), one that
+    misses trains its budget (48 steps), the final run trains its budget whatever it reaches."""
+    from lbt.spec.result import read_result
+
+    args = [*TINY, "recipe=baseline", "dist.world_size=1", "tune.trials=3", *ALGOPERF,
+            "tune.objective=steps_to_target", "tune.target=0.4", "tune.stop_at_target=true", f"tune.dir={tmp_path}"]
+    cell = tune(args)["cells"][0]
+    trials = optuna.load_study(study_name=cell["cell"], storage=f"sqlite:///{tmp_path / 'optuna.db'}").trials
+    results = {t.number: read_result(tmp_path / "trials" / "recipe=baseline,dist.world_size=1" / str(t.number))
+               for t in trials}
+    reached = [t for t in trials if t.user_attrs["steps_to_target"] is not None]
+    assert reached and len(reached) < len(trials), [t.user_attrs["final_val"] for t in trials]  # the tiny run's
+    for t in trials:
+        result = results[t.number]
+        assert result.ended_at_target == (t in reached)
+        assert result.steps == (result.history[-1].step if t in reached else 48)
+        if t in reached:  # it ended at the first evaluation at or above the target
+            assert result.final_acc >= 0.4 > max(p.acc for p in result.history[:-1])
+            assert t.user_attrs["steps_to_target"] <= result.steps
+    fastest = min(reached, key=lambda t: (t.value, t.number))
+    assert (cell["best"]["trial"], cell["studies"][0]["trial"]) == (fastest.number, fastest.number)
+    final = read_result(tmp_path / "final" / "tuned" / "recipe=baseline,dist.world_size=1" / "seed_1")
+    assert final.steps == 48 and not final.ended_at_target
+    with pytest.raises(ConfigError, match="another search space, sampler or objective"):
+        tune([a for a in args if a != "tune.stop_at_target=true"])  # trials that ran whole are another tune
+
+
 def test_a_final_run_of_other_values_is_refused_not_reused(tmp_path):
     """Trials added to a finished cell (more tune.trials or tune.studies) can choose other values: the finals
     trained for the old ones are neither read back as the new ones' nor overwritten."""
@@ -117,6 +146,8 @@ def test_a_final_run_of_other_values_is_refused_not_reused(tmp_path):
     (["tune.studies=0"], "tune.studies must be"),
     (["tune.sampler=grid"], "tune.sampler must be one of tpe, qmc"),
     (["tune.objective=fastest"], "tune.objective must be one of final, steps_to_target"),
+    (["tune.target=0.8", "tune.stop_at_target=true"], "tune.stop_at_target=true with tune.objective=final: a trial"),
+    (["tune.stop_at_target=maybe"], "tune.stop_at_target must be one of"),
 ])
 def test_protocol_mistakes_are_one_line(overrides, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -133,6 +164,10 @@ def test_the_median_study_and_fewest_steps():
     losses = [{"study": k + 1, "trial": k, "val_loss": v} for k, v in enumerate([0.3, 0.1, 0.2, 0.4])]
     assert median_search(losses, LOSS)["study"] == 1  # 0.4 0.3 | 0.2 0.1: the lower middle is 0.3
     assert median_search([{"study": 1, "trial": None, "val_acc": None}], ACC) is None
+    # tune.stop_at_target: the median study by its fastest trial's steps, a study that missed counted infinite.
+    fastest = [{"study": k + 1, "trial": k, "val_acc": 0.5, "steps_to_target": s} for k, s in enumerate([30, None, 20])]
+    assert median_search(fastest, ACC, by_steps=True)["study"] == 1
+    assert median_search(fastest[1:], ACC, by_steps=True)["study"] == 2  # of two, the slower (here: missed)
     curves = {"0": [[10, 0.5], [20, 0.7]], "1": [[10, 0.6], [20, 0.9]]}
     assert fewest_steps(curves, 0.7, ACC) == pytest.approx(10 + 10 * (0.1 / 0.3))  # trial 1, interpolated
     assert fewest_steps(curves, 0.95, ACC) == math.inf

@@ -47,7 +47,7 @@ from lbt.parallel.stop import stop_asked
 from lbt.rng import rng_state, set_rng_state
 from lbt.spec.batching import BatchLayout, Budget
 from lbt.spec.lr import optimizer_settings, peak
-from lbt.spec.objective import ACC, LOSS
+from lbt.spec.objective import ACC, LOSS, metric_named
 from lbt.spec.result import EvalPoint, RunResult
 
 LR_LIMIT = float(torch.finfo(torch.float32).max)  # an LR torch can still turn into a float32 step
@@ -68,6 +68,7 @@ class LoopSettings:
     snapshot_samples: tuple[int, ...] = ()  # samples seen at which `snapshot` is called (lbt probe's base run)
     diverge_factor: float | None = 10.0  # a train loss above this x the first step's ... (None: only non-finite)
     diverge_log_steps: int = 3  # ... for this many log steps in a row ends the run as diverged
+    stop_at_val: tuple[str, float] | None = None  # (acc | loss, target): end at the evaluation that reaches it
 
 
 def evaluation_steps(budget: Budget, evals: int) -> frozenset[int]:
@@ -130,12 +131,16 @@ class Trainer:
         started = time.perf_counter()
         while self.state.step < self.budget.total_steps:
             epoch_start, evaluating = time.perf_counter(), self.result.eval_seconds
-            train_loss = self.train_epoch()
+            train_loss = self.result.final_train_loss = self.train_epoch()
             # Training time only: the evaluations inside the epoch count in eval_seconds.
             self.result.train_seconds += time.perf_counter() - epoch_start - (self.result.eval_seconds - evaluating)
             # A stop asked for at an epoch's last step waits for its evaluation; at the run's last, for its end.
+            # An epoch left at a target (an evaluation inside it reached it) is not evaluated again.
             whole = self.state.step_in_epoch >= self.budget.steps[self.state.epoch]
-            if (whole or not self.result.stopped) and not self.end_epoch(train_loss):
+            if (whole or not (self.result.stopped or self.result.ended_at_target)) and not self.end_epoch(train_loss):
+                break
+            if self.result.ended_at_target:
+                self.say(target_line(self.settings.stop_at_val, self.state))
                 break
             if self.result.stopped and self.state.step < self.budget.total_steps:
                 self.save_checkpoint()
@@ -176,7 +181,7 @@ class Trainer:
             self.window.add(loss)
             leave = log_now and self.log_window(layout, lr, correct / labels.numel(), bar, steps)
             if s.step in self.eval_steps and s.step_in_epoch < steps:  # an epoch's end evaluates in end_epoch
-                leave = leave or not math.isfinite(self.validate(layout).loss)
+                leave = leave or not math.isfinite(self.validate(layout).loss) or self.result.ended_at_target
             if self.snapshot is not None and s.samples_seen in self.settings.snapshot_samples:
                 self.snapshot()
             if leave:
@@ -223,7 +228,6 @@ class Trainer:
     def end_epoch(self, train_loss: float) -> bool:
         """Evaluate, log and maybe checkpoint after an epoch; False when the run diverged."""
         s, result = self.state, self.result
-        result.final_train_loss = train_loss
         if not math.isfinite(train_loss) and not result.diverged:
             self.diverge(f"the epoch's train loss is {train_loss}")
         point, split = (None if result.diverged else self.validate(self.budget.layouts[s.epoch])), self.eval_split
@@ -253,6 +257,7 @@ class Trainer:
         result.history.append(point)
         if not math.isfinite(point.loss):
             self.diverge(f"the {split} loss at step {s.step} is {point.loss}")
+        result.ended_at_target = reached(self.settings.stop_at_val, point)
         self.log.scalars({f"{split}/loss": point.loss, f"{split}/acc": point.acc}, s.step, s.samples_seen)
         for technique in self.techniques:
             technique.after_eval(point)
@@ -268,12 +273,7 @@ class Trainer:
         elif self.data.test is not None and not result.diverged:
             result.test_loss, result.test_acc = self.evaluate(self.data.test)
             self.log.scalars({"test/loss": result.test_loss, "test/acc": result.test_acc}, s.step, s.samples_seen)
-        result.best_acc = ACC.best(p.acc for p in result.history)
-        result.best_loss = LOSS.best(p.loss for p in result.history)
-        result.allreduces, result.bytes_sent = s.allreduces, s.bytes_sent
-        result.steps, result.samples_seen = s.step, s.samples_seen
-        result.wall_seconds = time.perf_counter() - started
-        result.samples_per_sec = s.samples_seen / max(result.train_seconds, 1e-9)
+        add_totals(result, s, time.perf_counter() - started)
         result.technique_metrics = {**self.precision.metrics(), **self.technique_metrics()}
         result.technique_curves = {k: v for t in self.techniques for k, v in t.curves().items()}
         result.step_seconds = self.timer.run_means()
@@ -333,6 +333,31 @@ class Trainer:
             technique.load_state_dict(own["techniques"].get(technique.name, {}))
         self.strategy.load_state_dict(own["strategy"])
         set_rng_state(own["rng"])
+
+
+def add_totals(result: RunResult, s: LoopState, wall_seconds: float) -> None:
+    """The run's totals at its end: best held-out values, steps, samples, communication and speed."""
+    result.best_acc = ACC.best(p.acc for p in result.history)
+    result.best_loss = LOSS.best(p.loss for p in result.history)
+    result.allreduces, result.bytes_sent = s.allreduces, s.bytes_sent
+    result.steps, result.samples_seen = s.step, s.samples_seen
+    result.wall_seconds = wall_seconds
+    result.samples_per_sec = s.samples_seen / max(result.train_seconds, 1e-9)
+
+
+def reached(stop_at_val: tuple[str, float] | None, point: EvalPoint) -> bool:
+    """Whether an evaluation reached trainer.stop_at_val_acc (at or above it) or _loss (at or below); never one
+    whose loss is not finite (the run diverged)."""
+    if stop_at_val is None or not math.isfinite(point.loss):
+        return False
+    name, target = stop_at_val
+    return metric_named(name, "trainer.stop_at_val").reached(getattr(point, name), target)
+
+
+def target_line(stop_at_val: tuple[str, float] | None, s: LoopState) -> str:
+    name, target = stop_at_val or ("", 0.0)
+    epoch = s.epoch + 1 if s.step_in_epoch else s.epoch  # an epoch's end has moved on to the next
+    return f"val_{name} reached trainer.stop_at_val_{name}={target:g} at step {s.step} (epoch {epoch}): the run ends"
 
 
 def progress_bar(trainer: Trainer, steps: int) -> Any:

@@ -344,7 +344,10 @@ def make_trainer(spec: RunSpec, ctx: pg.DistContext, run_dir: str, local_procs: 
                             compile=t.compile, channels_last=t.channels_last,
                             loader_workers=loader_workers(t.loader_workers, local_procs),
                             snapshot_samples=t.snapshot_samples, diverge_factor=t.diverge_factor,
-                            diverge_log_steps=t.diverge_log_steps)
+                            diverge_log_steps=t.diverge_log_steps, stop_at_val=t.stop_at_val)
+    if t.stop_at_val is not None and parts.data.val is None:
+        raise ConfigError(f"trainer.stop_at_val_{t.stop_at_val[0]} stops on the val split, and this data holds none "
+                          "out (data.val_fraction=0?): a run never stops on test")
     precision = Precision(t.precision, ctx.device.type)
     say_once(f"device={ctx.device} precision={precision.describe()} compile={settings.compile} "
              f"channels_last={settings.channels_last} loader_workers={settings.loader_workers}")

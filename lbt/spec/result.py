@@ -82,6 +82,7 @@ class RunResult:
     samples_per_sec: float = 0.0
     diverged: bool = False
     stopped: bool = False  # by SIGTERM/SIGINT after a checkpoint: a stopped run writes no result.json
+    ended_at_target: bool = False  # trainer.stop_at_val_*: ended at the first evaluation that reached it
     technique_metrics: dict[str, float] = field(default_factory=dict)
     technique_curves: dict[str, list[list[float]]] = field(default_factory=dict)  # name -> [[samples, value]]
     # mean seconds per step: data, compute (forward+backward), comm (allreduce span), optimizer, measure

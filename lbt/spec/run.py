@@ -57,6 +57,11 @@ class TrainerSpec:
     # for diverge_log_steps log steps in a row (null factor: only a non-finite loss); it stops then.
     diverge_factor: float | None = 10.0
     diverge_log_steps: int = 3
+    # The run ends at the first evaluation of the val split whose accuracy is at or above stop_at_val_acc (or
+    # whose loss is at or below stop_at_val_loss): AlgoPerf ends a run at its target. Steps to the target are
+    # what they would be in the whole run; the LR schedule still spans trainer.epochs.
+    stop_at_val_acc: float | None = None
+    stop_at_val_loss: float | None = None
     # lbt probe (lbt/apps/probe): the base run saves its whole state at these samples seen, which does not
     # change the run; a branch starts from such a snapshot of the run in `branch_from` at `branch_at` samples,
     # trains `branch_samples` more at its own batch, and stops early (diverged) when its train loss passes
@@ -94,7 +99,20 @@ class TrainerSpec:
         if self.diverge_factor is not None:
             number("trainer.diverge_factor", self.diverge_factor, low=1, low_open=True)
         integer("trainer.diverge_log_steps", self.diverge_log_steps, 1, 1000)
+        if self.stop_at_val_acc is not None and self.stop_at_val_loss is not None:
+            raise ConfigError("trainer.stop_at_val_acc and trainer.stop_at_val_loss are both set: give one target")
+        if self.stop_at_val_acc is not None:
+            number("trainer.stop_at_val_acc", self.stop_at_val_acc, low=0, high=1, low_open=True)
+        if self.stop_at_val_loss is not None:
+            number("trainer.stop_at_val_loss", self.stop_at_val_loss, low=0, low_open=True)
         return self
+
+    @property
+    def stop_at_val(self) -> tuple[str, float] | None:
+        """(metric name, target) of trainer.stop_at_val_acc / _loss, or None."""
+        if self.stop_at_val_acc is not None:
+            return "acc", self.stop_at_val_acc
+        return None if self.stop_at_val_loss is None else ("loss", self.stop_at_val_loss)
 
 
 @dataclass(frozen=True)
@@ -296,6 +314,7 @@ MAY_CHANGE = (
     "trainer.epochs", "trainer.max_steps", "trainer.resume", "trainer.progress", "trainer.log_every",
     "trainer.evals", "trainer.device", "trainer.threads", "trainer.checkpoint_every", "trainer.keep_checkpoints",
     "trainer.compile", "trainer.channels_last", "trainer.loader_workers", "trainer.snapshot_samples",
+    "trainer.stop_at_val_acc", "trainer.stop_at_val_loss",
     "dist.procs",  # checked on its own: the per-process files need the same count
     # Not dist.fuse_workers: fused and sequential passes round differently, and a resumed run that
     # switches drifts from the straight one (0.25 in loss after 64 steps), so it is part of the run.

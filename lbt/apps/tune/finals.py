@@ -46,12 +46,12 @@ def finish_cell(grid: TuneGrid, cell: Cell, searches: list[optuna.Study], new_ru
                    "pruned": sum(t.state == TrialState.PRUNED for t in counted),
                    "diverged": sum(bool(t.user_attrs.get("diverged")) for t in complete),
                    "failed": sum(t.state == TrialState.FAIL for t in trials)},
-        "studies": [search_summary(study, k, metric) for k, study in enumerate(searches)],
+        "studies": [search_summary(study, k, metric, grid.settings.stop_at_target) for k, study in enumerate(searches)],
         "best": None,
     }
     first_seed = int(cell.config["trainer"]["seed"])
     seeds = [first_seed + k for k in range(1, grid.settings.seeds + 1)]
-    median = median_search(summary["studies"], metric)
+    median = median_search(summary["studies"], metric, grid.settings.stop_at_target)
     if median is not None:
         best = next(t for t in searches[median["study"] - 1].get_trials(deepcopy=False) if t.number == median["trial"])
         value = final_val(best, metric)
@@ -122,14 +122,17 @@ def final_val(trial: optuna.trial.FrozenTrial, metric: Metric) -> float:
     return float(trial.value)  # a trial of a tune from before tune.objective: its value is the final val value
 
 
-def search_summary(study: optuna.Study, search: int, metric: Metric) -> dict[str, Any]:
+def search_summary(study: optuna.Study, search: int, metric: Metric, fastest_is_best: bool = False) -> dict[str, Any]:
     """One independent search of a cell: its best trial on final val, and its fastest to tune.target (AlgoPerf
     takes the fastest trial of each study; None: no trial reached it) with every trial's val curve, from which
-    the report reads steps to a target decided later."""
+    the report reads steps to a target decided later. `fastest_is_best` (tune.stop_at_target: trials that
+    reached the target ended there, so their final val values rank nothing): the fastest is the best too, and
+    the best on final val only where none reached it."""
     complete = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
     best = max(complete, key=lambda t: (metric.score(final_val(t, metric)), -t.number), default=None)
     reached = [t for t in complete if t.user_attrs.get("steps_to_target") is not None]
     fastest = min(reached, key=lambda t: (t.user_attrs["steps_to_target"], t.number), default=None)
+    best = fastest if fastest_is_best and fastest is not None else best
     return {"study": search + 1, "trial": best.number if best else None,
             f"val_{metric.name}": final_val(best, metric) if best else None,
             "fastest_trial": fastest.number if fastest else None,
@@ -137,11 +140,16 @@ def search_summary(study: optuna.Study, search: int, metric: Metric) -> dict[str
             "curves": {str(t.number): t.user_attrs.get("curve") for t in complete if t.user_attrs.get("curve")}}
 
 
-def median_search(searches: list[dict], metric: Metric) -> dict | None:
-    """The search whose best final val value is the median of the searches' (the lower middle one of an even
-    count): its best trial is the cell's tuned values, as AlgoPerf reports the median over studies."""
-    ranked = sorted((s for s in searches if s["trial"] is not None),
-                    key=lambda s: (metric.score(s[f"val_{metric.name}"]), -s["study"]))
+def median_search(searches: list[dict], metric: Metric, by_steps: bool = False) -> dict | None:
+    """The search whose best final val value (`by_steps`: whose steps to the target; missed: infinite) is the
+    median of the searches' (the worse middle one of an even count): its best trial is the cell's tuned values,
+    as AlgoPerf reports the median over studies."""
+    def score(s: dict) -> float:
+        if not by_steps:
+            return metric.score(s[f"val_{metric.name}"])
+        return -math.inf if s["steps_to_target"] is None else -s["steps_to_target"]
+
+    ranked = sorted((s for s in searches if s["trial"] is not None), key=lambda s: (score(s), -s["study"]))
     return ranked[(len(ranked) - 1) // 2] if ranked else None
 
 

@@ -49,6 +49,7 @@ class Settings:
     sampler: str = "tpe"  # tpe | qmc
     objective: str = "final"  # final | steps_to_target
     target: float | None = None  # the val value (tune.metric) whose steps to reach every trial records
+    stop_at_target: bool = False  # a trial ends at the evaluation that reaches tune.target (AlgoPerf's rule)
 
     @classmethod
     def from_config(cls, node: dict) -> Settings:
@@ -70,6 +71,7 @@ class Settings:
             sampler=str(one_of("tune.sampler", node.get("sampler", "tpe"), SAMPLERS)),
             objective=str(one_of("tune.objective", node.get("objective", "final"), OBJECTIVES)),
             target=None if node.get("target") is None else number("tune.target", node["target"]),
+            stop_at_target=bool(one_of("tune.stop_at_target", node.get("stop_at_target", False), (True, False))),
         ).checked()
 
     def checked(self) -> Settings:
@@ -82,6 +84,9 @@ class Settings:
                 raise ConfigError(f"tune.objective=steps_to_target with tune.pruner={self.pruner}: the pruner "
                                   f"compares val {self.metric.label}, which a steps objective does not rank; set "
                                   "tune.pruner=none")
+        if self.stop_at_target and self.objective != "steps_to_target":
+            raise ConfigError(f"tune.stop_at_target=true with tune.objective={self.objective}: a trial that ends at "
+                              "tune.target has no final val value to rank; set tune.objective=steps_to_target")
         if self.metric.start is not None and self.target is not None and not 0 < self.target <= 1:
             raise ConfigError(f"tune.target={self.target:g} is a val {self.metric.label} and lies in (0, 1]")
         return self

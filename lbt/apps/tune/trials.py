@@ -82,10 +82,12 @@ def open_study(storage: Any, grid: TuneGrid, cell: Cell, search: int = 0) -> opt
     # The sampler and the objective when they are not the defaults (a tune from before they existed continues).
     identity |= {"sampler": s.sampler} if s.sampler != "tpe" else {}
     identity |= {"objective": s.objective, "target": s.target} if s.objective != "final" else {}
+    identity |= {"stop_at_target": True} if s.stop_at_target else {}
     if not study.user_attrs:
         for key, value in identity.items():
             study.set_user_attr(key, value)
-    elif {k: study.user_attrs.get(k) for k in identity} != json.loads(json.dumps(identity)):
+    elif {k: study.user_attrs.get(k) for k in identity} != json.loads(json.dumps(identity)) \
+            or study.user_attrs.get("stop_at_target", False) != s.stop_at_target:
         raise ConfigError(f"{s.dir} holds trials of cell {cell.name!r} run with other overrides, another search "
                           f"space, sampler or objective ({' '.join(study.user_attrs.get('overrides') or [])}); pick "
                           "another tune.dir")
@@ -161,6 +163,8 @@ def run_trial(study: optuna.Study, grid: TuneGrid, cell: Cell, claim: Claim, sto
     params = {key: suggest(trial, key, values) for key, values in cell.space.items()}
     overrides = [f"{key}={hydra_value(value)}" for key, value in params.items()]
     metric = grid.settings.metric
+    if grid.settings.stop_at_target:  # the trial only (the final runs train the whole budget)
+        overrides.append(f"trainer.stop_at_val_{metric.name}={grid.settings.target!r}")
     pruning = PruneOnVal(trial, grid.settings.prune_after if claim.armed else None, metric)
     started, shown = time.perf_counter(), shown_values(params)
     search = f", study {claim.search + 1}/{grid.settings.studies}" if grid.settings.studies > 1 else ""
