@@ -13,7 +13,8 @@ out, 10,000 test). Reported per recipe and batch:
   with `--seeds` fresh seeds, scored once on test; the gap to the tuned base batch.
 
     python bench/fair.py                                  # cnn1d: every recipe, 5 trials x 3 studies
-    python bench/fair.py --workload transformer1d   # adamw_sqrt (the reference), muon, soap, schedulefree, wsd_adamw
+    python bench/fair.py --workload transformer1d   # adamw_sqrt (the reference), muon, soap, schedulefree, wsd_adamw;
+        # then 30 epochs at 512-4,096 into <dir>/long, each trial ended at the target (LONG, below)
     python bench/fair.py --recipes baseline,muon --world-sizes 16,64,128 --trials 3 --studies 2   # a smaller one
     python bench/fair.py --tables   # runs nothing: bench/README's tables of what the folder holds so far
     python bench/fair.py --workload transformer1d --recipes adamw_sqrt --world-sizes 16,32,64 --epochs 30 \
@@ -37,7 +38,11 @@ commit. Commit the folder with the tune paused (`kill -STOP -- -<tune pid>`, the
 journal line half written when committed would make the journal unreadable once more lines follow it.
 Then bench/README's tables (steps to target, fits, test points lost; one column per recipe), and the last
 lines: `critical_batch_<recipe>=<samples>` per recipe, then `best_gap_64x=<points> best_gap_128x=<points>`:
-test points the best recipe (chosen on val) loses against the tuned base batch (positive = below).
+test points the best recipe (chosen on val) loses against the tuned base batch (positive = below). Where the
+workload has a longer budget (LONG: transformer1d, 30 epochs), the same protocol then runs it at larger batches
+into <dir>/long with the first budget's target, each trial ended where it reaches it (tune.stop_at_target: the
+steps to the target are the whole run's, the rest of the run is saved; the final runs, 1 seed, train it all),
+and its tables and lines follow, prefixed `long_` (`critical_batch_long_<recipe>`).
 """
 
 from __future__ import annotations
@@ -62,6 +67,11 @@ WORKLOADS = {
     "transformer1d": (["adamw_sqrt", "muon", "soap", "schedulefree", "wsd_adamw"], [1, 4, 16, 32, 64],
                       ["model=transformer1d"]),
 }
+# A second, longer budget for the fits where the first leaves large batches short of the target: epochs and
+# world sizes, every recipe, trials ended at the target (the first budget's), into <dir>/long. transformer1d
+# under 10 epochs: AdamW's steps fall as 1/batch up to 512 and past it the target leaves the budget, so it has
+# no fitted critical batch (bench/README, "a longer budget where 10 epochs miss the target").
+LONG = {"transformer1d": (30, [8, 16, 32, 64])}
 # The base recipe's world sizes beside the others': the reference batch (64), and one more fitted point. Every
 # recipe runs at 1 too by default: its own steps at the base batch anchor its fit, which the few batches that
 # reach the target above it leave loose (cnn1d's reduced budget: dropping 64 moved lars's critical batch 40%),
@@ -135,6 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stop-at-target", action="store_true",
                         help="with --target: end each trial at the evaluation that reaches it (tune.stop_at_target, "
                              "tune.objective=steps_to_target); the final runs train the whole budget")
+    parser.add_argument("--long-epochs", type=int,
+                        help="the longer budget's epochs (0: none; default: the workload's, transformer1d 30)")
     parser.add_argument("--procs", type=int, default=2, help="trial processes at a time (tune.workers)")
     parser.add_argument("--tables", action="store_true",
                         help="run nothing: print the tables and last lines of what --dir holds so far")
@@ -146,20 +158,46 @@ def main(argv: list[str] | None = None) -> None:
     if args.tables:
         if not list((folder / "cells").glob("*.json")):
             sys.exit(f"bench/fair.py: {folder} has no finished cell yet")
-        return print_results(folder, args.target)
-    folder.mkdir(parents=True, exist_ok=True)
-    common = [*overrides, f"trainer.epochs={args.epochs}", f"tune.trials={args.trials}",
-              f"tune.studies={args.studies}", "tune.sampler=qmc", "tune.pruner=none", f"tune.seeds={args.seeds}",
-              "tune.untuned=false", f"tune.workers={args.procs}", "trainer.threads=1", f"tune.dir={folder}",
-              f"tune.storage={'sqlite' if (folder / 'optuna.db').is_file() else 'journal'}"]
+        print_results(folder, args.target)
+        if list((folder / "long" / "cells").glob("*.json")):
+            target = folder_summary(folder, args.target)["steps_to_target"]["target"]
+            print("\n## The longer budget, trials ended at the target\n")
+            print_results(folder / "long", target, prefix="long_")
+        return
     if args.stop_at_target and args.target is None:
         parser.error("--stop-at-target needs --target: the target of the base batch is known only when its cell ends")
-    if args.target is not None:
-        common.append(f"tune.target={args.target}")
-    if args.stop_at_target:
-        common += ["tune.objective=steps_to_target", "tune.stop_at_target=true"]
     started = time.perf_counter()
-    base_sizes = sorted(set(world_sizes if args.target is not None else BASE_ONLY + world_sizes))
+    common = [*overrides, f"tune.trials={args.trials}", f"tune.studies={args.studies}", f"tune.workers={args.procs}"]
+    run_protocol(folder, recipes, world_sizes, [*common, f"trainer.epochs={args.epochs}", f"tune.seeds={args.seeds}"],
+                 args.target, args.stop_at_target)
+    print((folder / "tune_report.md").read_text())
+    print(f"AlgoPerf protocol ({args.trials} trials x {args.studies} studies per cell, {args.seeds} seeds) in "
+          f"{time.perf_counter() - started:.0f} s; report: {folder / 'tune_report.md'}")
+    print_results(folder, args.target)
+    long_epochs, long_sizes = LONG.get(args.workload, (0, []))
+    if args.long_epochs is not None:
+        long_epochs = args.long_epochs
+    if long_epochs and args.target is None:
+        target = folder_summary(folder, None)["steps_to_target"]["target"]
+        say(f"bench/fair.py: {long_epochs} epochs at world sizes {long_sizes}, each trial ended at val "
+            f"{target:.2%} (the target above), into {folder / 'long'}")
+        run_protocol(folder / "long", recipes, long_sizes, [*common, f"trainer.epochs={long_epochs}", "tune.seeds=1"],
+                     target, stop_at_target=True)
+        print(f"\n## {long_epochs} epochs, trials ended at the target\n")
+        print_results(folder / "long", target, prefix="long_")
+
+
+def run_protocol(folder: Path, recipes: list[str], world_sizes: list[int], common: list[str], target: float | None,
+                 stop_at_target: bool) -> None:
+    """The base recipe's cells, then the others', each group one `lbt tune` into `folder` (tune.log)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    common = [*common, "tune.sampler=qmc", "tune.pruner=none", "tune.untuned=false", "trainer.threads=1",
+              f"tune.dir={folder}", f"tune.storage={'sqlite' if (folder / 'optuna.db').is_file() else 'journal'}"]
+    if target is not None:
+        common.append(f"tune.target={target!r}")
+    if stop_at_target:
+        common += ["tune.objective=steps_to_target", "tune.stop_at_target=true"]
+    base_sizes = sorted(set(world_sizes if target is not None else BASE_ONLY + world_sizes))
     # The base recipe first (its tuned val accuracy at batch 64 sets the target), then the others; the last
     # command writes the report over every cell of the folder.
     groups = [[f"recipe={recipes[0]}", f"dist.world_size={','.join(map(str, base_sizes))}"]]
@@ -171,22 +209,19 @@ def main(argv: list[str] | None = None) -> None:
             stop_here(folder, code or 128 + STOP[0])
         if code:
             sys.exit(f"bench/fair.py: lbt tune {' '.join(group)} failed (exit {code}); see {folder}/tune.log")
-    print((folder / "tune_report.md").read_text())
-    print(f"AlgoPerf protocol ({args.trials} trials x {args.studies} studies per cell, {args.seeds} seeds) in "
-          f"{time.perf_counter() - started:.0f} s; report: {folder / 'tune_report.md'}")
-    print_results(folder, args.target)
 
 
-def print_results(folder: Path, target: float | None) -> None:
+def print_results(folder: Path, target: float | None, prefix: str = "") -> None:
     """bench/README's tables (one column per recipe), then the last lines, for every finished cell."""
     summary = folder_summary(folder, target)
     print("\n".join(["", steps_table(summary), "", fits_table(summary), "", gaps_table(summary), ""]))
     for fit in summary["steps_to_target"]["fits"]:
         shown = f"{fit['b_crit']:.0f}" if fit["b_crit"] else "n/a"
-        print(f"critical_batch_{fit['series'].replace(' ', '_')}={shown}")
+        print(f"critical_batch_{prefix}{fit['series'].replace(' ', '_')}={shown}")
     gaps = summary["gaps"]
-    print(" ".join(f"{k}={gaps[k]:.2f}" if gaps.get(k) is not None else f"{k}=n/a"
-                   for k in ("best_gap_64x", "best_gap_128x")))
+    if not prefix:  # the longer budget's gaps are to its own smallest batch, not to 64
+        print(" ".join(f"{k}={gaps[k]:.2f}" if gaps.get(k) is not None else f"{k}=n/a"
+                       for k in ("best_gap_64x", "best_gap_128x")))
 
 
 def folder_summary(folder: Path, target: float | None) -> dict:
