@@ -377,3 +377,31 @@ def test_fair_tables_put_one_recipe_per_column(monkeypatch):
     gaps = fair.gaps_table(summary).splitlines()
     assert gaps[0] == "Test points lost against base at 64 (99.26% test; negative: gained):"
     assert gaps[-1] == "| 4,096 (64) | +1.82 | +0.72 | lars +0.72 |"
+
+
+def test_fair_runs_transformer1ds_longer_budget_with_the_first_budgets_target(monkeypatch, tmp_path):
+    """One command: the 10-epoch protocol (base recipe also at 64 and 256), then 30 epochs at 512-4,096 into
+    <dir>/long, every recipe, with the first budget's target and each trial ended where it reaches it."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "bench"))
+    import fair
+
+    calls = []
+    monkeypatch.setattr(fair, "tune", lambda args, log: calls.append((args, log)) or 0)
+    monkeypatch.setattr(fair, "print_results", lambda *args, **kwargs: None)
+    monkeypatch.setattr(fair, "folder_summary", lambda folder, target: {"steps_to_target": {"target": 0.955}})
+    (tmp_path / "tune_report.md").write_text("report")
+    fair.main(["--workload", "transformer1d", "--recipes", "adamw_sqrt,muon", "--dir", str(tmp_path)])
+    assert [log for _, log in calls] == [tmp_path / "tune.log"] * 2 + [tmp_path / "long" / "tune.log"] * 2
+    first, long = [args for args, _ in calls[:2]], [args for args, _ in calls[2:]]
+    assert first[0][:2] == ["recipe=adamw_sqrt", "dist.world_size=1,4,16,32,64"]
+    assert first[1][:2] == ["recipe=muon", "dist.world_size=1,4,16,32,64"]
+    assert all("trainer.epochs=10" in a and "tune.seeds=3" in a for a in first)
+    assert not any(a.startswith(("tune.target", "tune.stop_at_target")) for args in first for a in args)
+    assert [args[:2] for args in long] == [["recipe=adamw_sqrt", "dist.world_size=8,16,32,64"],
+                                           ["recipe=muon", "dist.world_size=8,16,32,64"]]
+    for args in long:
+        assert {"trainer.epochs=30", "tune.seeds=1", "tune.target=0.955", "tune.objective=steps_to_target",
+                "tune.stop_at_target=true", f"tune.dir={tmp_path / 'long'}"} <= set(args)
+    calls.clear()
+    fair.main(["--workload", "cnn1d", "--recipes", "baseline", "--dir", str(tmp_path)])  # no longer budget
+    assert [log for _, log in calls] == [tmp_path / "tune.log"]
