@@ -41,7 +41,7 @@ lines: `critical_batch_<recipe>=<samples>` per recipe, then `best_gap_64x=<point
 test points the best recipe (chosen on val) loses against the tuned base batch (positive = below). Where the
 workload has a longer budget (LONG: transformer1d, 30 epochs), the same protocol then runs it at larger batches
 into <dir>/long with the first budget's target, each trial ended where it reaches it (tune.stop_at_target: the
-steps to the target are the whole run's, the rest of the run is saved; the final runs, 1 seed, train it all),
+steps to the target are the whole run's, the rest of the run is saved; no final runs, tune.seeds=0),
 and its tables and lines follow, prefixed `long_` (`critical_batch_long_<recipe>`).
 """
 
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         target = folder_summary(folder, None)["steps_to_target"]["target"]
         say(f"bench/fair.py: {long_epochs} epochs at world sizes {long_sizes}, each trial ended at val "
             f"{target:.2%} (the target above), into {folder / 'long'}")
-        run_protocol(folder / "long", recipes, long_sizes, [*common, f"trainer.epochs={long_epochs}", "tune.seeds=1"],
+        run_protocol(folder / "long", recipes, long_sizes, [*common, f"trainer.epochs={long_epochs}", "tune.seeds=0"],
                      target, stop_at_target=True)
         print(f"\n## {long_epochs} epochs, trials ended at the target\n")
         print_results(folder / "long", target, prefix="long_")
@@ -214,7 +214,10 @@ def run_protocol(folder: Path, recipes: list[str], world_sizes: list[int], commo
 def print_results(folder: Path, target: float | None, prefix: str = "") -> None:
     """bench/README's tables (one column per recipe), then the last lines, for every finished cell."""
     summary = folder_summary(folder, target)
-    print("\n".join(["", steps_table(summary), "", fits_table(summary), "", gaps_table(summary), ""]))
+    if summary["steps_to_target"]["target"] is None:
+        return say(f"bench/fair.py: {folder} has no target: no final run at its smallest batch sets one; give --target")
+    gaps = [gaps_table(summary), ""] if summary["gaps"]["reference"] else []  # none without final runs
+    print("\n".join(["", steps_table(summary), "", fits_table(summary), "", *gaps]))
     for fit in summary["steps_to_target"]["fits"]:
         shown = f"{fit['b_crit']:.0f}" if fit["b_crit"] else "n/a"
         print(f"critical_batch_{prefix}{fit['series'].replace(' ', '_')}={shown}")

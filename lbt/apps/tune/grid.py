@@ -55,7 +55,7 @@ class Settings:
     def from_config(cls, node: dict) -> Settings:
         return cls(
             trials=integer("tune.trials", node.get("trials")),
-            seeds=integer("tune.seeds", node.get("seeds")),
+            seeds=integer("tune.seeds", node.get("seeds"), 0),
             seed=integer("tune.seed", node.get("seed"), 0),
             startup_trials=integer("tune.startup_trials", node.get("startup_trials"), 0),
             pruner=str(one_of("tune.pruner", node.get("pruner"), PRUNERS)),

@@ -71,9 +71,11 @@ def summarize(grid: TuneGrid, cells: list[dict], storage: str) -> dict:
         "tune_dir": str(s.dir), "storage": storage,
         "settings": {"trials": s.trials, "seeds": s.seeds, "seed": s.seed, "startup_trials": s.startup_trials,
                      "pruner": s.pruner, "prune_startup_trials": s.prune_startup_trials,
-                     "prune_after": s.prune_after, "metric": s.metric.name, "selected_on": f"final_val_{s.metric.name}",
+                     "prune_after": s.prune_after, "metric": s.metric.name,
+                     "selected_on": "steps_to_target" if s.stop_at_target else f"final_val_{s.metric.name}",
                      "sampler": "multivariate TPE" if s.sampler == "tpe" else "quasi-random search (scrambled Halton)",
-                     "studies": s.studies, "objective": s.objective, "target": s.target},
+                     "studies": s.studies, "objective": s.objective, "target": s.target,
+                     "stop_at_target": s.stop_at_target},
         "overrides": grid.fixed, "cells": cells, "lr_fits": fits,
     }
 
@@ -219,16 +221,21 @@ def protocol_lines(summary: dict, metric: Metric) -> list[str]:
                f"{s['prune_startup_trials']} trials of the cell finished")
     seeds = next((c[kind]["seeds"] for c in cells for kind in ("tuned", "default") if c.get(kind, {}).get("seeds")), [])
     untuned = any(c["default"]["seeds"] for c in cells)
+    selected = (f"each an `lbt train` run ended at the first evaluation that reached val {metric.label} "
+                f"{metric.show(s['target'])}{metric.suffix} (tune.stop_at_target; a trial that missed ran in full), "
+                "the fastest selected" if s.get("stop_at_target") else
+                f"each a full `lbt train` run selected on its final **val** {metric.label} ({metric.direction}d)")
+    finals = (f" were then trained with seeds {', '.join(map(str, seeds))} (not the trials' seed) and scored on val "
+              "and, once, on **test**: the gap between the two is how much of the "
+              f"{metric.label} lost at a batch was mis-tuning." if seeds else
+              " were not trained again (tune.seeds=0): no final runs, no test figures.")
     return [
         f"# Tuning report: {summary['tune_dir']}", "",
         f"Every cell got the same budget: **{s['trials']} trials** of {sampler_words(s)} over its recipe's "
-        f"`tune.space`{studies_words(s)}, each a full `lbt train` run selected on its "
-        f"final **val** {metric.label} ({metric.direction}d); {pruning}; a "
+        f"`tune.space`{studies_words(s)}, {selected}; {pruning}; a "
         f"diverged trial counts, as {metric.worst:g}. The best trial's values (**tuned**)"
         + (" and the recipe's **untuned** defaults" if untuned else " (tune.untuned=false: not the untuned defaults)")
-        + f" were then trained with seeds {', '.join(map(str, seeds))} (not the "
-        "trials' seed) and scored on val and, once, on **test**: the gap between the two is how much of the "
-        f"{metric.label} lost at a batch was mis-tuning.", "",
+        + finals, "",
         f"Overrides of every run: `{' '.join(summary['overrides']) or '(none)'}`. "
         f"Trials: `optuna-dashboard {summary['storage']}`. The final runs read with `lbt report` too: "
         "`final/` (tuned and untuned side by side), `final/tuned`, `final/default`.", "",
