@@ -158,10 +158,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.tables:
         if not list((folder / "cells").glob("*.json")):
             sys.exit(f"bench/fair.py: {folder} has no finished cell yet")
+        say(progress(folder, len(recipes) * len(world_sizes) + len(base_sizes_of(world_sizes, args.target))
+                     - len(world_sizes)))
         print_results(folder, args.target)
         if list((folder / "long" / "cells").glob("*.json")):
             target = folder_summary(folder, args.target)["steps_to_target"]["target"]
             print("\n## The longer budget, trials ended at the target\n")
+            say(progress(folder / "long", len(recipes) * len(LONG.get(args.workload, (0, []))[1])))
             print_results(folder / "long", target, prefix="long_")
         return
     if args.stop_at_target and args.target is None:
@@ -197,7 +200,7 @@ def run_protocol(folder: Path, recipes: list[str], world_sizes: list[int], commo
         common.append(f"tune.target={target!r}")
     if stop_at_target:
         common += ["tune.objective=steps_to_target", "tune.stop_at_target=true"]
-    base_sizes = sorted(set(world_sizes if target is not None else BASE_ONLY + world_sizes))
+    base_sizes = base_sizes_of(world_sizes, target)
     # The base recipe first (its tuned val accuracy at batch 64 sets the target), then the others; the last
     # command writes the report over every cell of the folder.
     groups = [[f"recipe={recipes[0]}", f"dist.world_size={','.join(map(str, base_sizes))}"]]
@@ -209,6 +212,17 @@ def run_protocol(folder: Path, recipes: list[str], world_sizes: list[int], commo
             stop_here(folder, code or 128 + STOP[0])
         if code:
             sys.exit(f"bench/fair.py: lbt tune {' '.join(group)} failed (exit {code}); see {folder}/tune.log")
+
+
+def base_sizes_of(world_sizes: list[int], target: float | None) -> list[int]:
+    """The base recipe's world sizes: the others', and BASE_ONLY's unless a target is given."""
+    return sorted(set(world_sizes if target is not None else BASE_ONLY + world_sizes))
+
+
+def progress(folder: Path, cells: int) -> str:
+    """How many of the protocol's cells have finished (their trials and final runs), for a protocol under way."""
+    done = len(list((folder / "cells").glob("*.json")))
+    return f"bench/fair.py: {done} of {cells} cells finished in {folder}"
 
 
 def print_results(folder: Path, target: float | None, prefix: str = "") -> None:
