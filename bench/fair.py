@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="with --target: end each trial at the evaluation that reaches it (tune.stop_at_target, "
                              "tune.objective=steps_to_target); the final runs train the whole budget")
     parser.add_argument("--long-epochs", type=int,
-                        help="the longer budget's epochs (0: none; default: the workload's, transformer1d 30)")
+                        help="the longer budget's epochs, for a workload that has one (LONG: transformer1d, 30); "
+                             "0: none")
     parser.add_argument("--procs", type=int, default=2, help="trial processes at a time (tune.workers)")
     parser.add_argument("--tables", action="store_true",
                         help="run nothing: print the tables and last lines of what --dir holds so far")
@@ -158,8 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.tables:
         if not list((folder / "cells").glob("*.json")):
             sys.exit(f"bench/fair.py: {folder} has no finished cell yet")
-        say(progress(folder, len(recipes) * len(world_sizes) + len(base_sizes_of(world_sizes, args.target))
-                     - len(world_sizes)))
+        say(progress(folder, (len(recipes) - 1) * len(world_sizes) + len(base_sizes_of(world_sizes, args.target))))
         print_results(folder, args.target)
         if list((folder / "long" / "cells").glob("*.json")):
             target = folder_summary(folder, args.target)["steps_to_target"]["target"]
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     long_epochs, long_sizes = LONG.get(args.workload, (0, []))
     if args.long_epochs is not None:
         long_epochs = args.long_epochs
-    if long_epochs and args.target is None:
+    if long_epochs and long_sizes and args.target is None:
         target = folder_summary(folder, None)["steps_to_target"]["target"]
         say(f"bench/fair.py: {long_epochs} epochs at world sizes {long_sizes}, each trial ended at val "
             f"{target:.2%} (the target above), into {folder / 'long'}")

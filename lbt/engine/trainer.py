@@ -355,6 +355,7 @@ def reached(stop_at_val: tuple[str, float] | None, point: EvalPoint) -> bool:
 
 
 def target_line(stop_at_val: tuple[str, float] | None, s: LoopState) -> str:
+    """The line a run ending at its target says."""
     name, target = stop_at_val or ("", 0.0)
     epoch = s.epoch + 1 if s.step_in_epoch else s.epoch  # an epoch's end has moved on to the next
     return f"val_{name} reached trainer.stop_at_val_{name}={target:g} at step {s.step} (epoch {epoch}): the run ends"
