@@ -86,7 +86,7 @@ def test_the_steps_objective_minimises_steps_and_counts_a_missed_target_as_infin
     assert [t.value for t in study.trials] == [math.inf, math.inf]
     assert all(t.user_attrs["steps_to_target"] is None and t.user_attrs["final_val"] > 0 for t in study.trials)
     # The same folder with another target is another tune: refused rather than mixed in.
-    with pytest.raises(Exception, match="another search space, sampler or objective"):
+    with pytest.raises(Exception, match=r"tune.target=0.999 \(this command: tune.target=0.5\)"):
         tune(args + ["tune.target=0.5"])
     reached = tmp_path / "reached"
     tune([*args[:-1], f"tune.dir={reached}", "tune.target=0.05"])  # reached at the first evaluation
@@ -120,7 +120,7 @@ def test_trials_stopped_at_the_target_end_there_and_the_fastest_is_the_best(tmp_
     assert (cell["best"]["trial"], cell["studies"][0]["trial"]) == (fastest.number, fastest.number)
     final = read_result(tmp_path / "final" / "tuned" / "recipe=baseline,dist.world_size=1" / "seed_1")
     assert final.steps == 48 and not final.ended_at_target
-    with pytest.raises(ConfigError, match="another search space, sampler or objective"):
+    with pytest.raises(ConfigError, match=r"tune.stop_at_target=true \(this command: tune.stop_at_target=false\)"):
         tune([a for a in args if a != "tune.stop_at_target=true"])  # trials that ran whole are another tune
 
 
@@ -204,3 +204,52 @@ def test_steps_fit_fits_each_study_alone_for_its_spread():
     assert fit["per_study_b_crit"][:2] == pytest.approx([512, 2048]) and fit["per_study_b_crit"][2] is None
     assert per_study_words(fit) == "512, 2,048, n/a"
     assert fit["b_crit"] is not None  # the medians' fit stands beside them
+
+
+IDENTITY_CHANGES = [  # (one tune's settings, another's that differs only in the named identity key)
+    ({"sampler": "qmc"}, {}),
+    ({"metric": "loss", "objective": "steps_to_target", "target": 0.5}, {"metric": "loss"}),  # both minimise
+    ({"objective": "steps_to_target", "target": 0.5}, {"objective": "steps_to_target", "target": 0.6}),
+    ({"objective": "steps_to_target", "target": 0.5, "stop_at_target": True},
+     {"objective": "steps_to_target", "target": 0.5}),
+]
+
+
+@pytest.mark.parametrize("key, changed, default", [(k, *c) for k, c in zip(
+    ["sampler", "objective", "target", "stop_at_target"], IDENTITY_CHANGES)])
+def test_a_folder_continues_only_under_the_settings_it_was_tuned_with_either_way(key, changed, default):
+    """Each optional identity key is compared both ways: a folder tuned with a non-default value is refused to a
+    command without it, and the other way round; a folder from before the key existed counts as its default."""
+    from lbt.apps.tune.grid import Settings, TuneGrid
+    from lbt.apps.tune.trials import open_study
+
+    class Cell:
+        name, space = "recipe=baseline", {"optim.lr": {"low": 0.01, "high": 1.0, "log": True}}
+
+        def study_name(self, search):
+            return self.name
+
+    node = {"trials": 2, "seeds": 1, "seed": 0, "startup_trials": 1, "pruner": "none", "prune_startup_trials": 1,
+            "prune_after": 0.5, "dir": "the_folder"}
+    grid = {which: TuneGrid(Settings.from_config({**node, **settings}), head=[], fixed=["model=mlp"])
+            for which, settings in (("changed", changed), ("default", default))}
+    for first, then in (("changed", "default"), ("default", "changed")):
+        storage = optuna.storages.InMemoryStorage()
+        open_study(storage, grid[first], Cell())
+        open_study(storage, grid[first], Cell())  # the same settings continue
+        with pytest.raises(ConfigError, match=rf"run with tune\.{key}=\S+ \(this command: tune\.{key}=\S+\)"):
+            open_study(storage, grid[then], Cell())  # the one key that differs, with both values
+
+    # A folder from before the optional keys were always stored: only those that were not the default.
+    from lbt.apps.tune.trials import LATER_IDENTITY, tune_identity
+
+    old = optuna.storages.InMemoryStorage()
+    before = open_study(optuna.storages.InMemoryStorage(), grid["default"], Cell())
+    study = optuna.create_study(storage=old, study_name=Cell.name, direction=before.direction)
+    for k, v in tune_identity(grid["default"], Cell()).items():
+        if LATER_IDENTITY.get(k, "stored") != v:
+            study.set_user_attr(k, v)
+    assert set(study.user_attrs) < set(before.user_attrs)
+    open_study(old, grid["default"], Cell())
+    with pytest.raises(ConfigError, match=rf"run with tune\.{key}=\S+ \(this command"):
+        open_study(old, grid["changed"], Cell())

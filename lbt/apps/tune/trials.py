@@ -78,20 +78,41 @@ def open_study(storage: Any, grid: TuneGrid, cell: Cell, search: int = 0) -> opt
         raise ConfigError(f"{s.dir} holds trials of cell {cell.name!r} that {study.direction.name.lower()}d their "
                           f"value, and tune.metric={s.metric.name} tune.objective={s.objective} {direction}s it; pick "
                           "another tune.dir")
-    identity: dict[str, Any] = {"overrides": identity_overrides(grid), "space": cell.space}
-    # The sampler and the objective when they are not the defaults (a tune from before they existed continues).
-    identity |= {"sampler": s.sampler} if s.sampler != "tpe" else {}
-    identity |= {"objective": s.objective, "target": s.target} if s.objective != "final" else {}
-    identity |= {"stop_at_target": True} if s.stop_at_target else {}
+    identity = json.loads(json.dumps(tune_identity(grid, cell)))  # as the storage gives it back: lists, not tuples
     if not study.user_attrs:
         for key, value in identity.items():
             study.set_user_attr(key, value)
-    elif {k: study.user_attrs.get(k) for k in identity} != json.loads(json.dumps(identity)) \
-            or study.user_attrs.get("stop_at_target", False) != s.stop_at_target:
-        raise ConfigError(f"{s.dir} holds trials of cell {cell.name!r} run with other overrides, another search "
-                          f"space, sampler or objective ({' '.join(study.user_attrs.get('overrides') or [])}); pick "
-                          "another tune.dir")
+        return study
+    stored = {k: study.user_attrs.get(k, LATER_IDENTITY.get(k)) for k in identity}
+    if differ := [k for k in identity if stored[k] != identity[k]]:
+        raise ConfigError(f"{s.dir} holds trials of cell {cell.name!r} run with "
+                          f"{difference(differ, stored, identity)}; pick another tune.dir")
     return study
+
+
+# The identity keys added after the first tunes, with the value a folder tuned before them was tuned under: absent
+# from a study's attributes means this value, so an old folder continues under the defaults and only under them.
+LATER_IDENTITY: dict[str, Any] = {"sampler": "tpe", "objective": "final", "target": None, "stop_at_target": False}
+
+
+def tune_identity(grid: TuneGrid, cell: Cell) -> dict[str, Any]:
+    """What makes a cell's trials comparable: continuing a folder with another value of any of these is another
+    tune. The target counts only where it ranks the trials (tune.objective=steps_to_target)."""
+    s = grid.settings
+    return {"overrides": identity_overrides(grid), "space": cell.space, "sampler": s.sampler,
+            "objective": s.objective, "target": s.target if s.objective == "steps_to_target" else None,
+            "stop_at_target": s.stop_at_target}
+
+
+def difference(keys: list[str], stored: dict[str, Any], identity: dict[str, Any]) -> str:
+    """How a folder's identity differs from the command's, in the command line's words."""
+    words = {"overrides": f"other overrides ({' '.join(stored['overrides'] or []) or 'none'})",
+             "space": "another search space"}
+    def value(v: Any) -> str:
+        return v if isinstance(v, str) else json.dumps(v)  # null, true: as an override is written
+
+    return ", ".join(words.get(k) or f"tune.{k}={value(stored[k])} (this command: tune.{k}={value(identity[k])})"
+                     for k in keys)
 
 
 def identity_overrides(grid: TuneGrid) -> list[str]:
