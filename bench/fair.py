@@ -162,10 +162,7 @@ def main(argv: list[str] | None = None) -> None:
         say(progress(folder, (len(recipes) - 1) * len(world_sizes) + len(base_sizes_of(world_sizes, args.target))))
         print_results(folder, args.target)
         if list((folder / "long" / "cells").glob("*.json")):
-            target = folder_summary(folder, args.target)["steps_to_target"]["target"]
-            print("\n## The longer budget, trials ended at the target\n")
-            say(progress(folder / "long", len(recipes) * len(LONG.get(args.workload, (0, []))[1])))
-            print_results(folder / "long", target, prefix="long_")
+            print_long(folder, recipes, *long_budget(args))
         return
     if args.stop_at_target and args.target is None:
         parser.error("--stop-at-target needs --target: the target of the base batch is known only when its cell ends")
@@ -177,17 +174,33 @@ def main(argv: list[str] | None = None) -> None:
     print(f"AlgoPerf protocol ({args.trials} trials x {args.studies} studies per cell, {args.seeds} seeds) in "
           f"{time.perf_counter() - started:.0f} s; report: {folder / 'tune_report.md'}")
     print_results(folder, args.target)
-    long_epochs, long_sizes = LONG.get(args.workload, (0, []))
-    if args.long_epochs is not None:
-        long_epochs = args.long_epochs
+    long_epochs, long_sizes = long_budget(args)
     if long_epochs and long_sizes and args.target is None:
-        target = folder_summary(folder, None)["steps_to_target"]["target"]
+        target = long_target(folder)
         say(f"bench/fair.py: {long_epochs} epochs at world sizes {long_sizes}, each trial ended at val "
             f"{target:.2%} (the target above), into {folder / 'long'}")
         run_protocol(folder / "long", recipes, long_sizes, [*common, f"trainer.epochs={long_epochs}", "tune.seeds=0"],
                      target, stop_at_target=True)
-        print(f"\n## {long_epochs} epochs, trials ended at the target\n")
-        print_results(folder / "long", target, prefix="long_")
+        print_long(folder, recipes, long_epochs, long_sizes)
+
+
+def long_budget(args: argparse.Namespace) -> tuple[int, list[int]]:
+    """The workload's longer budget (LONG), its epochs as --long-epochs says: (0, []) where it has none."""
+    epochs, world_sizes = LONG.get(args.workload, (0, []))
+    return (epochs if args.long_epochs is None else args.long_epochs), world_sizes
+
+
+def long_target(folder: Path) -> float:
+    """The longer budget's target: the first budget's, its base batch's tuned val value (a longer budget runs only
+    where the target is the folder's own, not --target)."""
+    return folder_summary(folder, None)["steps_to_target"]["target"]
+
+
+def print_long(folder: Path, recipes: list[str], epochs: int, world_sizes: list[int]) -> None:
+    """The longer budget's progress, tables and lines (prefixed long_), under the first budget's target."""
+    print(f"\n## {epochs} epochs, trials ended at the target\n")
+    say(progress(folder / "long", len(recipes) * len(world_sizes)))
+    print_results(folder / "long", long_target(folder), prefix="long_")
 
 
 def run_protocol(folder: Path, recipes: list[str], world_sizes: list[int], common: list[str], target: float | None,
