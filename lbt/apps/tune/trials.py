@@ -108,6 +108,7 @@ def difference(keys: list[str], stored: dict[str, Any], identity: dict[str, Any]
     """How a folder's identity differs from the command's, in the command line's words."""
     words = {"overrides": f"other overrides ({' '.join(stored['overrides'] or []) or 'none'})",
              "space": "another search space"}
+
     def value(v: Any) -> str:
         return v if isinstance(v, str) else json.dumps(v)  # null, true: as an override is written
 
