@@ -14,7 +14,7 @@ out, 10,000 test). Reported per recipe and batch:
 
     python bench/fair.py                                  # cnn1d: every recipe, 5 trials x 3 studies
     python bench/fair.py --workload transformer1d   # adamw_sqrt (the reference), muon, soap, schedulefree, wsd_adamw;
-        # then 30 epochs at 512-4,096 into <dir>/long, each trial ended at the target (LONG, below)
+        # then 30 epochs at 256-4,096 into <dir>/long, each trial ended at the target (LONG, below)
     python bench/fair.py --recipes baseline,muon --world-sizes 16,64,128 --trials 3 --studies 2   # a smaller one
     python bench/fair.py --tables   # runs nothing: bench/README's tables of what the folder holds so far
     python bench/fair.py --workload transformer1d --recipes adamw_sqrt --world-sizes 16,32,64 --epochs 30 \
@@ -70,8 +70,9 @@ WORKLOADS = {
 # A second, longer budget for the fits where the first leaves large batches short of the target: epochs and
 # world sizes, every recipe, trials ended at the target (the first budget's), into <dir>/long. transformer1d
 # under 10 epochs: AdamW's steps fall as 1/batch up to 512 and past it the target leaves the budget, so it has
-# no fitted critical batch (bench/README, "a longer budget where 10 epochs miss the target").
-LONG = {"transformer1d": (30, [8, 16, 32, 64])}
+# no fitted critical batch (bench/README, "a longer budget where 10 epochs miss the target"). 256 is there for
+# the third point a fit needs: in 30 epochs AdamW reaches the target at 512 and 1,024 and at no batch above.
+LONG = {"transformer1d": (30, [4, 8, 16, 32, 64])}
 # The base recipe's world sizes beside the others': the reference batch (64), and one more fitted point. Every
 # recipe runs at 1 too by default: its own steps at the base batch anchor its fit, which the few batches that
 # reach the target above it leave loose (cnn1d's reduced budget: dropping 64 moved lars's critical batch 40%),
