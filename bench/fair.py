@@ -8,7 +8,8 @@ out, 10,000 test). Reported per recipe and batch:
 
 - steps to the target val accuracy: the base batch's tuned val accuracy less 1 point; each study's
   fastest trial, the median over studies (a study none of whose trials reach it: infinite), beside
-  perfect linear scaling and the fitted S = S_min (1 + B_crit / B); the fitted critical batch per recipe;
+  perfect linear scaling and the fitted S = S_min (1 + B_crit / B), held at or above the budget's steps where
+  the median missed the target; the fitted critical batch per recipe;
 - test accuracy at the fixed epoch budget: the median study's best trial (chosen on val) trained again
   with `--seeds` fresh seeds, scored once on test; the gap to the tuned base batch.
 
@@ -57,7 +58,7 @@ from pathlib import Path
 from typing import TextIO
 
 from lbt.apps.tune.finals import read_cell
-from lbt.apps.tune.report import gaps_to_base, per_study_words, steps_to_target
+from lbt.apps.tune.report import bound_words, gaps_to_base, per_study_words, steps_to_target
 from lbt.spec.objective import ACC
 
 WORKLOADS = {
@@ -305,7 +306,8 @@ def steps_table(summary: dict) -> str:
 
 def fits_table(summary: dict) -> str:
     """Per recipe: S = S_min (1 + B_crit / B) fitted through the medians and through each study alone (the
-    tune's own fits), and the largest batch whose median reached the target."""
+    tune's own fits, held at or above the budget's steps at a batch that missed the target), the missed batches
+    the fit is held at, and the largest batch whose median reached the target."""
     steps = summary["steps_to_target"]
     rows = []
     for fit in steps["fits"]:
@@ -315,9 +317,9 @@ def fits_table(summary: dict) -> str:
         rows.append([fit["series"], f"{fit['b_crit']:,.0f}" if fitted else f"n/a: {fit.get('note', '')}",
                      per_study_words(fit), f"{fit['s_min']:.1f}" if fitted else "n/a",
                      f"{fit['rel_rms']:.3f}" if fitted else "n/a", ", ".join(f"{b:,}" for b in fit["batches"]),
-                     f"{max(reached):,}" if reached else "none"])
+                     bound_words(fit), f"{max(reached):,}" if reached else "none"])
     return table(["recipe", "fitted critical batch", "per study", "S_min (steps)", "relative rms", "batches fitted",
-                  "largest batch reaching the target (median)"], rows)
+                  "held at a missed budget", "largest batch reaching the target (median)"], rows)
 
 
 def gaps_table(summary: dict) -> str:

@@ -94,6 +94,41 @@ def test_fit_refuses_perfect_scaling():
         fit_steps_to_target([64, 128, 256, 512], [6400 / 64 * 1.02, 6400 / 128, 6400 / 256, 6400 / 512 * 0.98])
 
 
+def test_a_missed_budget_the_curve_already_exceeds_changes_nothing():
+    """A batch that missed the target in fewer steps than the curve needs there is consistent with it."""
+    free = fit_steps_to_target(BATCHES[:5], [true_steps(b) for b in BATCHES[:5]])
+    held = fit_steps_to_target(BATCHES[:5], [true_steps(b) for b in BATCHES[:5]],
+                               missed=[(b, 0.9 * true_steps(b)) for b in BATCHES[5:]])
+    assert held == free and held.binding == ()
+    assert held.b_crit == pytest.approx(B_NOISE, rel=1e-9)
+
+
+def test_the_fit_is_held_at_a_missed_budget_and_is_the_best_fit_that_respects_it():
+    """The points alone fit B_crit 1,000, whose curve needs 74 steps at 2,048; a run of 120 steps there missed
+    the target, so the curve must pass at or above 120 there: S_min rises, B_crit falls, and no other curve
+    through (2,048, >= 120) fits the points better (checked along the constraint on a fine grid)."""
+    batches, steps = BATCHES[:4], [true_steps(b) for b in BATCHES[:4]]
+    fit = fit_steps_to_target(batches, steps, missed=[(2048, 120.0), (4096, 60.0)])
+    assert fit.binding == (2048.0,) and fit.steps_at(2048) == pytest.approx(120)
+    assert fit.steps_at(4096) >= 60 and fit.s_min > S_MIN and fit.b_crit < B_NOISE / 2
+    assert fit.points == 4 and fit.rel_rms > 0.01  # the points no longer lie on the curve
+
+    def cost(s_min: float, b_noise: float) -> float:
+        return sum((s_min * (1 + b_noise / b) / s - 1) ** 2 for b, s in zip(batches, steps))
+
+    grid = np.linspace(0, 119.9 * 2048, 20001)  # c = S_min B_noise, with S_min = 120 - c / 2048 on the bound
+    best = min(cost(120 - c / 2048, c / (120 - c / 2048)) for c in grid)
+    assert cost(fit.s_min, fit.b_noise) <= best + 1e-9
+    assert cost(fit.s_min, fit.b_noise) > cost(S_MIN, B_NOISE) + 0.01  # the bound costs fit: it was held
+
+
+def test_missed_budgets_neither_count_as_batches_nor_pass_malformed():
+    with pytest.raises(ValueError, match="need at least 3 distinct batches.*got 2"):
+        fit_steps_to_target([64, 128], [800, 420], missed=[(256, 300), (512, 200)])
+    with pytest.raises(ValueError, match="positive finite"):
+        fit_steps_to_target(BATCHES[:3], [true_steps(b) for b in BATCHES[:3]], missed=[(2048, 0)])
+
+
 @pytest.mark.parametrize("batches, steps", [([64, 128, 256], [100, 50]), ([64, 128, 256], [100, 0, 20]),
                                             ([64, 128, 256], [100, math.nan, 20])])
 def test_fit_refuses_malformed_points(batches, steps):

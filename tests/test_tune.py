@@ -371,9 +371,9 @@ def test_fair_tables_put_one_recipe_per_column(monkeypatch):
                          "| 1,024 (16) | 198 (149 - 295) | 259 (245 - 259), missed in 1 |",
                          "| 4,096 (64) | missed in 2 (124 - 124) |  |"]
     fits = fair.fits_table(summary).splitlines()
-    assert fits[2:] == ["| base | 1,000 | 500, 1,000, 2,000 | 100.0 | 0.000 | 64, 256, 1,024 | 1,024 |",
+    assert fits[2:] == ["| base | 1,000 | 500, 1,000, 2,000 | 100.0 | 0.000 | 64, 256, 1,024 | none | 1,024 |",
                         "| lars | n/a: need at least 3 distinct batches to fit a critical batch, got 1 | n/a, n/a, n/a "
-                        "| n/a | n/a | 1,024 | 1,024 |"]
+                        "| n/a | n/a | 1,024 | none | 1,024 |"]
     gaps = fair.gaps_table(summary).splitlines()
     assert gaps[0] == "Test points lost against base at 64 (99.26% test; negative: gained):"
     assert gaps[-1] == "| 4,096 (64) | +1.82 | +0.72 | lars +0.72 |"

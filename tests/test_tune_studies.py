@@ -192,6 +192,20 @@ def test_steps_fit_recovers_the_critical_batch_and_says_why_not():
     assert "at least 3 distinct batches" in steps_fit("lars", rows[:2])["note"]
 
 
+def test_steps_fit_is_held_above_the_budget_of_a_batch_that_missed():
+    """A cell whose median missed the target in its budget bounds the curve there: a budget below the curve's
+    steps (106 at 8,192) is consistent and changes nothing; one above it (a budget of 150 did not suffice)
+    holds the fit at 150, which lowers the critical batch. Each study is held at the cells it missed."""
+    rows = [{"global_batch": b, "median": 100 * (1 + 512 / b), "per_study": [100 * (1 + 512 / b)]}
+            for b in (64, 256, 1024, 4096)]
+    missed = {"global_batch": 8192, "median": None, "per_study": [None]}
+    free = steps_fit("muon", [*rows, {**missed, "budget": 90.0}])
+    assert free["b_crit"] == pytest.approx(512) and free["bound_at"] == []
+    held = steps_fit("muon", [*rows, {**missed, "budget": 150.0}])
+    assert held["bound_at"] == [8192] and held["s_min"] * (1 + held["b_crit"] / 8192) == pytest.approx(150)
+    assert held["b_crit"] < 400 and held["per_study_b_crit"] == pytest.approx([held["b_crit"]])
+
+
 def test_steps_fit_fits_each_study_alone_for_its_spread():
     # Study 1 scales with B_crit 512, study 2 with 2,048; study 3 reached the target at two batches only.
     batches = (64, 256, 1024, 4096)

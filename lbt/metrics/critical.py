@@ -19,6 +19,7 @@ Below B_crit doubling the batch nearly halves the steps; above it, it barely hel
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -68,6 +69,7 @@ class CriticalFit:
     b_noise: float  # the noise scale of the fit, in samples; equals b_crit
     rel_rms: float  # root-mean-square relative residual of the fitted steps (0.05: 5%)
     points: int  # (batch, steps) points fitted
+    binding: tuple[float, ...] = ()  # batches that missed the target whose budget the fit is held at
 
     @property
     def e_min(self) -> float:
@@ -84,7 +86,8 @@ class CriticalFit:
         return self.s_min * (1 + self.b_noise / batch)
 
 
-def fit_steps_to_target(batches: Sequence[float], steps: Sequence[float]) -> CriticalFit:
+def fit_steps_to_target(batches: Sequence[float], steps: Sequence[float],
+                        missed: Sequence[tuple[float, float]] = ()) -> CriticalFit:
     """Least-squares fit of S = S_min (1 + B_noise / B) to points (B_i, S_i); seeds may repeat a B.
 
     S = S_min + (S_min B_noise) / B is linear in 1/B, so the fit is one weighted linear solve.
@@ -92,25 +95,59 @@ def fit_steps_to_target(batches: Sequence[float], steps: Sequence[float]) -> Cri
     across batches and seed noise is multiplicative, so plain least squares would fit only the
     small batches. Raises ValueError with fewer than 3 distinct batches or a non-positive
     S_min or B_noise (the points show no critical batch).
+
+    `missed` holds (B_j, budget_j): batches where the target was missed in budget_j steps. Their steps to
+    target are censored, known only to exceed the budget (AlgoPerf counts them infinite), so dropping them
+    would let the curve pass below a budget that did not suffice and overstate the critical batch. The fit
+    keeps S(B_j) >= budget_j as constraints (`binding`: the batches whose bound holds with equality); they
+    add no residual and do not count toward the 3 batches.
     """
     b = np.asarray(batches, dtype=float)
     s = np.asarray(steps, dtype=float)
     if b.shape != s.shape or b.ndim != 1:
         raise ValueError(f"need one step count per batch, got {b.size} batches and {s.size} step counts")
-    if not (np.all(np.isfinite(b)) and np.all(b > 0) and np.all(np.isfinite(s)) and np.all(s > 0)):
+    bounds = np.asarray(missed, dtype=float).reshape(-1, 2)
+    if not all(np.all(np.isfinite(v)) and np.all(v > 0) for v in (b, s, bounds)):
         raise ValueError("batches and steps must be positive finite numbers")
     if np.unique(b).size < 3:
         raise ValueError(f"need at least 3 distinct batches to fit a critical batch, got {np.unique(b).size}")
-    # Minimise sum(((a + c / B_i) - S_i) / S_i)^2 over a = S_min, c = S_min B_noise.
+    # Minimise sum(((a + c / B_i) - S_i) / S_i)^2 over a = S_min, c = S_min B_noise, with a + c / B_j >= budget_j.
     design = np.stack([1 / s, 1 / (b * s)], axis=1)
-    (a, c), *_ = np.linalg.lstsq(design, np.ones_like(s), rcond=None)
+    (a, c), binding = constrained_lstsq(design, np.stack([np.ones(len(bounds)), 1 / bounds[:, 0]], axis=1),
+                                        bounds[:, 1])
     if c <= 0:
         raise ValueError("no critical batch: steps do not fall as the batch grows")
     if a <= 0:
         raise ValueError("no critical batch: steps fall as fast as 1/batch at every batch (perfect scaling); "
                          "add larger batches")
     rel_rms = float(np.sqrt(np.mean((design @ np.array([a, c]) - 1) ** 2)))
-    return CriticalFit(s_min=float(a), b_noise=float(c / a), rel_rms=rel_rms, points=int(b.size))
+    return CriticalFit(s_min=float(a), b_noise=float(c / a), rel_rms=rel_rms, points=int(b.size),
+                       binding=tuple(float(bounds[j, 0]) for j in binding))
+
+
+def constrained_lstsq(design: np.ndarray, floors: np.ndarray, floor_values: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    """argmin |design x - 1|^2 subject to floors x >= floor_values, and the indices of the floors that bind.
+
+    The problem is a convex quadratic program in 2 unknowns, so its minimum is the best feasible one among the
+    minima with 0, 1 or 2 floors held as equalities (an active set names at most as many constraints as
+    unknowns); each is one linear (KKT) solve, and the floors are few (one per missed batch).
+    """
+    gram, rhs = 2 * design.T @ design, 2 * design.T @ np.ones(len(design))
+    best: tuple[float, np.ndarray, list[int]] | None = None
+    indices = range(len(floors))
+    for active in [[]] + [[j] for j in indices] + [list(pair) for pair in itertools.combinations(indices, 2)]:
+        g = floors[active]
+        kkt = np.block([[gram, g.T], [g, np.zeros((len(active), len(active)))]])
+        try:
+            x = np.linalg.solve(kkt, np.concatenate([rhs, floor_values[active]]))[:2]
+        except np.linalg.LinAlgError:  # two floors at one batch: the pair names no point
+            continue
+        if np.all(floors @ x >= floor_values * (1 - 1e-9)):
+            cost = float(np.sum((design @ x - 1) ** 2))
+            if best is None or cost < best[0] - 1e-12:
+                best = (cost, x, active)
+    assert best is not None  # the floors rise with 1/B, so a large enough S_min meets them all
+    return best[1], best[2]
 
 
 def bootstrap_fit(points_by_batch: Mapping[float, Sequence[float]], resamples: int = 1000, seed: int = 0,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -142,7 +143,8 @@ def steps_to_target(cells: list[dict], metric: Metric, target: float | None, ref
     for c in sorted(searched, key=lambda c: (c["series"], c["global_batch"])):
         fastest = [fewest_steps(study.get("curves") or {}, target, metric) for study in c["studies"]]
         done, median = sorted(f for f in fastest if math.isfinite(f)), statistics.median(fastest)
-        rows.append({"cell": c["cell"], "series": c["series"], "global_batch": c["global_batch"],  # None: missed
+        rows.append({"cell": c["cell"], "series": c["series"], "global_batch": c["global_batch"],
+                     "budget": budget_steps(c["studies"]),  # per_study, median: None where missed
                      "per_study": [f if math.isfinite(f) else None for f in fastest],
                      "median": median if math.isfinite(median) else None, "low": done[0] if done else None,
                      "high": done[-1] if done else None, "missed": len(fastest) - len(done)})
@@ -158,29 +160,45 @@ def fewest_steps(curves: dict[str, list], target: float, metric: Metric) -> floa
     return min((c for c in crossings if c is not None), default=math.inf)
 
 
+def budget_steps(studies: list[dict]) -> float | None:
+    """The cell's budget in steps: the last evaluation's step of its longest trial (one that missed the target
+    runs in full unless pruned; where every trial was pruned this is less, which only weakens the bound)."""
+    return max((float(curve[-1][0]) for study in studies for curve in (study.get("curves") or {}).values()
+                if curve), default=None)
+
+
+def missed_bounds(rows: list[dict], missed: Callable[[dict], bool]) -> list[tuple[float, float]]:
+    """(batch, budget) of the rows whose measure `missed` the target: their steps to it exceed the budget."""
+    return [(r["global_batch"], r["budget"]) for r in rows if missed(r) and r.get("budget")]
+
+
 def steps_fit(series: str, rows: list[dict]) -> dict[str, Any]:
-    """The critical batch of one curve: S = S_min (1 + B_crit / B) through its cells' median steps to target;
-    and its spread: each study's own curve (study k's fastest trial at every batch it reached; the studies are
-    independent repetitions of the whole protocol) fitted alone, None where that one cannot be."""
+    """The critical batch of one curve: S = S_min (1 + B_crit / B) through its cells' median steps to target,
+    held at or above the budget where the median missed it (fit_steps_to_target's `missed`); and its spread:
+    each study's own curve (study k's fastest trial at every batch, the studies being independent repetitions
+    of the whole protocol) fitted alone, None where that one cannot be."""
     reached = [r for r in rows if r["median"] is not None]
     studies = max((len(r.get("per_study", [])) for r in rows), default=0)
     fit: dict[str, Any] = {"series": series, "batches": [r["global_batch"] for r in reached], "b_crit": None,
-                           "s_min": None, "rel_rms": None,
+                           "s_min": None, "rel_rms": None, "bound_at": [],
                            "per_study_b_crit": [study_b_crit(rows, k) for k in range(studies)]}
     try:
-        found = fit_steps_to_target(fit["batches"], [r["median"] for r in reached])
-        fit.update(b_crit=found.b_crit, s_min=found.s_min, rel_rms=found.rel_rms)
+        found = fit_steps_to_target(fit["batches"], [r["median"] for r in reached],
+                                    missed_bounds(rows, lambda r: r["median"] is None))
+        fit.update(b_crit=found.b_crit, s_min=found.s_min, rel_rms=found.rel_rms, bound_at=list(found.binding))
     except ValueError as error:
         fit["note"] = str(error)
     return fit
 
 
 def study_b_crit(rows: list[dict], study: int) -> float | None:
-    """The critical batch fitted through one study's steps to target alone (None: too few batches reached)."""
-    points = [(r["global_batch"], r["per_study"][study]) for r in rows
-              if study < len(r.get("per_study", [])) and r["per_study"][study] is not None]
+    """The critical batch fitted through one study's steps to target alone, held above the budget where that
+    study missed the target (None: it reached the target at fewer than 3 batches)."""
+    mine = [r for r in rows if study < len(r.get("per_study", []))]
+    points = [(r["global_batch"], r["per_study"][study]) for r in mine if r["per_study"][study] is not None]
     try:
-        return fit_steps_to_target([b for b, _ in points], [steps for _, steps in points]).b_crit
+        return fit_steps_to_target([b for b, _ in points], [steps for _, steps in points],
+                                   missed_bounds(mine, lambda r: r["per_study"][study] is None)).b_crit
     except ValueError:
         return None
 
@@ -308,7 +326,8 @@ def steps_lines(steps: dict, metric: Metric) -> list[str]:
              "cell, each independent study's fastest trial to the target (interpolated between evaluations; a study "
              "none of whose trials reached it counts as infinite), then the **median over the studies**, with the "
              "range of those that reached it. Perfect scaling: the smallest batch's median x its batch / this batch. "
-             "Fitted: S = S_min (1 + B_crit / B) through the curve's medians.", "",
+             "Fitted: S = S_min (1 + B_crit / B) through the curve's medians, held at or above the budget's steps "
+             "where the median missed the target (it needs more steps than the budget had).", "",
              "![steps to target vs global batch](steps_to_target.png)", "",
              "| recipe | global batch | steps to target (median) | range over studies | studies missed | "
              "perfect scaling | fitted |", "| --- | ---: | ---: | --- | ---: | ---: | ---: |"]
@@ -323,13 +342,19 @@ def steps_lines(steps: dict, metric: Metric) -> list[str]:
     lines += ["", "The critical batch fitted through the medians; beside it, each study's own curve fitted alone (n/a: "
               "that study reached the target at fewer than 3 batches, or its steps show no critical batch): two "
               "recipes whose per-study fits overlap are not told apart by this budget.", "",
-              "| recipe | fitted critical batch | per study | S_min (steps) | relative rms | batches fitted |",
-              "| --- | ---: | ---: | ---: | ---: | --- |"]
+              "| recipe | fitted critical batch | per study | S_min (steps) | relative rms | batches fitted | "
+              "held at a missed budget |", "| --- | ---: | ---: | ---: | ---: | --- | --- |"]
     for fit in steps["fits"]:
         crit = f"{fit['b_crit']:,.0f}" if fit["b_crit"] else f"n/a: {fit.get('note')}"
         lines.append(f"| {fit['series']} | {crit} | {per_study_words(fit)} | {number(fit['s_min'], ',.1f')} | "
-                     f"{number(fit['rel_rms'], '.3f')} | {', '.join(f'{b:,}' for b in fit['batches'])} |")
+                     f"{number(fit['rel_rms'], '.3f')} | {', '.join(f'{b:,}' for b in fit['batches'])} | "
+                     f"{bound_words(fit)} |")
     return lines + [""]
+
+
+def bound_words(fit: dict) -> str:
+    """The missed batches whose budget the fit is held at ("2,048"), or "none"."""
+    return ", ".join(f"{b:,.0f}" for b in fit.get("bound_at") or []) or "none"
 
 
 def per_study_words(fit: dict) -> str:
