@@ -428,8 +428,9 @@ def plot_steps_to_target(steps: dict, path: Path, metric: Metric = ACC) -> None:
                                  [r["high"] - m for m, r in zip(medians, reached)]])
         color = bars.lines[0].get_color()
         missed = missed_bounds([r for r in steps["cells"] if r["series"] == series], lambda r: r["median"] is None)
-        if missed:  # where the fit is held: the target needs more steps than these
-            ax.plot(*zip(*missed), "^", color=color, fillstyle="none", markersize=8)
+        held = [(b, budget) for b, budget in missed if b in fit.get("bound_at", [])]
+        if held:  # the target needs more steps than these, and the fit passes through them
+            ax.plot(*zip(*held), "^", color=color, fillstyle="none", markersize=8)
         if fit["b_crit"]:
             grid = [batches[0] * (batches[-1] / batches[0]) ** (i / 50) for i in range(51)]
             ax.plot(grid, [fit["s_min"] * (1 + fit["b_crit"] / b) for b in grid], "--", color=color)
@@ -441,8 +442,8 @@ def plot_steps_to_target(steps: dict, path: Path, metric: Metric = ACC) -> None:
     ax.set_yscale("log")
     ax.set_ylabel(f"steps to val {metric.label} {metric.show(steps['target'])}{metric.suffix}")
     ax.set_title("Steps to the target vs global batch (median over studies; bars: their range;\n"
-                 "dashed: fitted S = S_min (1 + B_crit / B); ^: the budget of a batch whose median missed,\n"
-                 "which the fit stays at or above)", fontsize=9)
+                 "dashed: fitted S = S_min (1 + B_crit / B), at or above the budget of a batch whose median\n"
+                 "missed; ^: such a budget the fit is held at)", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     if first is not None:
         ax.legend(fontsize=7)
