@@ -347,6 +347,32 @@ def _steps_cell(series: str, batch: int, per_study: list[float | None]) -> dict:
             "high": reached[-1] if reached else None}
 
 
+def test_fit_budgets_holds_a_batch_missed_in_every_budget_at_its_longest(monkeypatch, tmp_path, capsys):
+    """Two budgets of one recipe on S = 100 (1 + 512 / B): 10 epochs reach the target at 64-256 and miss at
+    1,024 and 4,096; 30 epochs reach it at 1,024 and miss at 4,096 in 300 steps, above the curve's 112 there.
+    1,024 is taken from 30 epochs; 4,096 holds the fit at 300, the longer of its two budgets."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "bench"))
+    import fit_budgets
+
+    def folder(name: str, epochs: int, rows: list[tuple[int, float | None, float]]) -> Path:
+        cells = [{"series": "adamw", "global_batch": b, "median": m, "budget": n} for b, m, n in rows]
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "tune_summary.json").write_text(json.dumps(
+            {"overrides": [f"trainer.epochs={epochs}"], "steps_to_target": {"target": 0.98, "cells": cells}}))
+        return tmp_path / name
+
+    short = folder("short", 10, [(64, 900.0, 8000), (128, 500.0, 4000), (256, 300.0, 2000), (1024, None, 100),
+                                 (4096, None, 50)])
+    long = folder("long", 30, [(1024, 150.0, 300), (4096, None, 300)])
+    target, points, missed = fit_budgets.chosen_points([short, long])
+    assert points["adamw"][1024] == (150.0, "30") and points["adamw"][64] == (900.0, "10")
+    assert missed == {"adamw": {4096: 300}}
+    fit_budgets.main([str(short), str(long)])
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| adamw"))
+    assert row.endswith("| 4,096 |")  # held there: without the bound the fit would be exact, B_crit 512
+    assert float(row.split(" | ")[2].replace(",", "")) < 512
+
+
 def test_fair_tables_put_one_recipe_per_column(monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "bench"))
     import fair

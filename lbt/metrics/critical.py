@@ -98,9 +98,10 @@ def fit_steps_to_target(batches: Sequence[float], steps: Sequence[float],
 
     `missed` holds (B_j, budget_j): batches where the target was missed in budget_j steps. Their steps to
     target are censored, known only to exceed the budget (AlgoPerf counts them infinite), so dropping them
-    would let the curve pass below a budget that did not suffice and overstate the critical batch. The fit
-    keeps S(B_j) >= budget_j as constraints (`binding`: the batches whose bound holds with equality); they
-    add no residual and do not count toward the 3 batches.
+    would let the curve pass below a budget that did not suffice: above the fitted batches that overstates
+    the critical batch, below them it understates it. The fit keeps S(B_j) >= budget_j as constraints
+    (`binding`: the batches whose bound holds with equality); they add no residual and do not count toward
+    the 3 batches.
     """
     b = np.asarray(batches, dtype=float)
     s = np.asarray(steps, dtype=float)
@@ -115,10 +116,11 @@ def fit_steps_to_target(batches: Sequence[float], steps: Sequence[float],
     design = np.stack([1 / s, 1 / (b * s)], axis=1)
     (a, c), binding = constrained_lstsq(design, np.stack([np.ones(len(bounds)), 1 / bounds[:, 0]], axis=1),
                                         bounds[:, 1])
+    held = f" (held at the missed budgets at {', '.join(f'{bounds[j, 0]:,.0f}' for j in binding)})" if binding else ""
     if c <= 0:
-        raise ValueError("no critical batch: steps do not fall as the batch grows")
+        raise ValueError(f"no critical batch: steps do not fall as the batch grows{held}")
     if a <= 0:
-        raise ValueError("no critical batch: steps fall as fast as 1/batch at every batch (perfect scaling); "
+        raise ValueError(f"no critical batch: steps fall as fast as 1/batch at every batch (perfect scaling){held}; "
                          "add larger batches")
     rel_rms = float(np.sqrt(np.mean((design @ np.array([a, c]) - 1) ** 2)))
     return CriticalFit(s_min=float(a), b_noise=float(c / a), rel_rms=rel_rms, points=int(b.size),
@@ -146,7 +148,8 @@ def constrained_lstsq(design: np.ndarray, floors: np.ndarray, floor_values: np.n
             cost = float(np.sum((design @ x - 1) ** 2))
             if best is None or cost < best[0] - 1e-12:
                 best = (cost, x, active)
-    assert best is not None  # the floors rise with 1/B, so a large enough S_min meets them all
+    if best is None:  # only where rounding fails every candidate: batches or steps spanning ~12 orders of magnitude
+        raise ValueError("no fit meets the missed budgets: batches or steps too far apart to solve")
     return best[1], best[2]
 
 

@@ -162,7 +162,8 @@ def fewest_steps(curves: dict[str, list], target: float, metric: Metric) -> floa
 
 def budget_steps(studies: list[dict]) -> float | None:
     """The cell's budget in steps: the last evaluation's step of its longest trial (one that missed the target
-    runs in full unless pruned; where every trial was pruned this is less, which only weakens the bound)."""
+    runs in full unless pruned or diverged, which only end it earlier and weaken the bound); None where no
+    trial has a curve. Every trial of a cell runs the same epochs, so the longest is the budget."""
     return max((float(curve[-1][0]) for study in studies for curve in (study.get("curves") or {}).values()
                 if curve), default=None)
 
