@@ -47,8 +47,8 @@ def chosen_points(folders: list[Path]) -> tuple[float, dict[str, dict[int, tuple
             if row["median"] is not None:
                 points.setdefault(row["series"], {}).setdefault(row["global_batch"], (row["median"], epochs))
             elif row.get("budget"):
-                missed = budgets.setdefault(row["series"], {})
-                missed[row["global_batch"]] = max(row["budget"], missed.get(row["global_batch"], 0))
+                longest = budgets.setdefault(row["series"], {})
+                longest[row["global_batch"]] = max(row["budget"], longest.get(row["global_batch"], 0))
     missed = {series: {b: n for b, n in by_batch.items() if b not in points.get(series, {})}
               for series, by_batch in budgets.items()}
     if any(not math.isclose(t, targets[0], rel_tol=1e-9) for t in targets):
