@@ -428,10 +428,10 @@ def plot_steps_to_target(steps: dict, path: Path, metric: Metric = ACC) -> None:
                            yerr=[[m - r["low"] for m, r in zip(medians, reached)],
                                  [r["high"] - m for m, r in zip(medians, reached)]])
         color = bars.lines[0].get_color()
-        missed = missed_bounds([r for r in steps["cells"] if r["series"] == series], lambda r: r["median"] is None)
-        held = [(b, budget) for b, budget in missed if b in fit.get("bound_at", [])]
-        if held:  # the target needs more steps than these, and the fit passes through them
-            ax.plot(*zip(*held), "^", color=color, fillstyle="none", markersize=8)
+        held = fit.get("bound_at") or []
+        if held:  # the fit passes through these budgets: the target needs more steps than they had
+            ax.plot(held, [fit["s_min"] * (1 + fit["b_crit"] / b) for b in held], "^", color=color, fillstyle="none",
+                    markersize=8)
         if fit["b_crit"]:
             grid = [batches[0] * (batches[-1] / batches[0]) ** (i / 50) for i in range(51)]
             ax.plot(grid, [fit["s_min"] * (1 + fit["b_crit"] / b) for b in grid], "--", color=color)
