@@ -14,7 +14,7 @@ from typing import Any
 from lbt.apps.plotting import batch_axis, figure, save_figure
 from lbt.apps.tune.grid import TuneGrid
 from lbt.apps.tune.trials import short
-from lbt.metrics.critical import crossing_step, fit_steps_to_target
+from lbt.metrics.critical import CriticalFit, crossing_step, fit_steps_to_target
 from lbt.paths import atomic_write
 from lbt.spec.lr import scaling_factor
 from lbt.spec.objective import ACC, Metric, metric_named
@@ -192,6 +192,14 @@ def steps_fit(series: str, rows: list[dict]) -> dict[str, Any]:
     return fit
 
 
+def fitted_steps(fit: dict[str, Any], batch: float) -> float | None:
+    """A stored fit's steps to target at `batch` (CriticalFit.steps_at); None where nothing was fitted."""
+    if not fit["b_crit"]:
+        return None
+    return CriticalFit(s_min=fit["s_min"], b_noise=fit["b_crit"], rel_rms=fit["rel_rms"],
+                       points=len(fit["batches"])).steps_at(batch)
+
+
 def study_b_crit(rows: list[dict], study: int) -> float | None:
     """The critical batch fitted through one study's steps to target alone, held above the budget where that
     study missed the target (None: it reached the target at fewer than 3 batches)."""
@@ -335,7 +343,7 @@ def steps_lines(steps: dict, metric: Metric) -> list[str]:
     fits = {fit["series"]: fit for fit in steps["fits"]}
     for r in rows:
         fit = fits[r["series"]]
-        fitted = fit["s_min"] * (1 + fit["b_crit"] / r["global_batch"]) if fit["b_crit"] else None
+        fitted = fitted_steps(fit, r["global_batch"])
         perfect = first["median"] * first["global_batch"] / r["global_batch"] if first["median"] else None
         span = "n/a" if r["low"] is None else f"{r['low']:,.0f} - {r['high']:,.0f}"
         lines.append(f"| {r['series']} | {r['global_batch']:,} | {number(r['median'], ',.0f')} | {span} | "
@@ -430,11 +438,10 @@ def plot_steps_to_target(steps: dict, path: Path, metric: Metric = ACC) -> None:
         color = bars.lines[0].get_color()
         held = fit.get("bound_at") or []
         if held:  # the fit passes through these budgets: the target needs more steps than they had
-            ax.plot(held, [fit["s_min"] * (1 + fit["b_crit"] / b) for b in held], "^", color=color, fillstyle="none",
-                    markersize=8)
+            ax.plot(held, [fitted_steps(fit, b) for b in held], "^", color=color, fillstyle="none", markersize=8)
         if fit["b_crit"]:
             grid = [batches[0] * (batches[-1] / batches[0]) ** (i / 50) for i in range(51)]
-            ax.plot(grid, [fit["s_min"] * (1 + fit["b_crit"] / b) for b in grid], "--", color=color)
+            ax.plot(grid, [fitted_steps(fit, b) for b in grid], "--", color=color)
     first = min((r for r in steps["cells"] if r["median"] is not None), key=lambda r: r["global_batch"], default=None)
     if first is not None:
         ax.plot(batches, [first["median"] * first["global_batch"] / b for b in batches], ":", color="gray",
