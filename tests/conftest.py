@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import multiprocessing.process
 import os
 import queue
 import re
@@ -16,12 +17,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import settings
 
 from lbt.apps.compose import compose
 from lbt.engine import make_spec, run
 from lbt.engine.build import build_data, build_model
+from lbt.engine.trainer import Trainer
 
 # Generated tests draw the same examples on every run, so a red suite is red for the
 # code and can be rerun; `pytest --hypothesis-profile=explore` draws fresh ones.
@@ -32,7 +35,7 @@ settings.load_profile("repeatable")
 # Tiny runs on the 2-core CI machine: quiet, CPU.
 FAST = ["data=synthetic", "trainer.progress=false", "trainer.device=cpu"]
 # The suite runs dist.procs=2..4 on a 2-core machine on purpose (exactness of real vs simulated workers):
-# lbt's check of processes against cores and memory is told to let them start (tests/test_faults_engine.py
+# lbt's check of processes against cores and memory is told to let them start (tests/test_run_faults.py
 # checks the refusal with this unset). Spawned workers and `lbt` commands inherit it.
 os.environ.setdefault("LBT_ALLOW_OVERSUBSCRIBE", "1")
 # `make test` runs two test files at once (pytest-xdist): one intra-op thread per process, in this process and
@@ -41,6 +44,70 @@ os.environ.setdefault("LBT_ALLOW_OVERSUBSCRIBE", "1")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+
+
+# -- the fast lane ----------------------------------------------------------------------------------
+# `make test-fast` (-m "not slow") is every test that starts no process and trains no more than a few steps, its
+# fixtures included. The rule is checked, not trusted: a test not marked slow that starts a process or whose runs
+# take more steps fails, whether the work is in its body or in a fixture it uses (a module fixture that trains
+# counts for each test that uses it, whichever test set it up). Steps are the training loop's (Trainer.fit):
+# an optimizer's unit test on a toy problem trains no model.
+FAST_LANE_STEPS = 32
+
+
+class Work:
+    """Training steps taken and processes started in this test process, as running totals."""
+
+    steps = 0
+    processes = 0
+
+
+def _counting_steps(fit):
+    def counted(trainer):
+        before = trainer.state.step
+        try:
+            return fit(trainer)
+        finally:
+            Work.steps += trainer.state.step - before
+    return counted
+
+
+def _counting_processes(start):
+    def counted(*args, **kwargs):
+        Work.processes += 1
+        return start(*args, **kwargs)
+    return counted
+
+
+Trainer.fit = _counting_steps(Trainer.fit)  # type: ignore[method-assign]
+subprocess.Popen._execute_child = _counting_processes(subprocess.Popen._execute_child)  # type: ignore[method-assign]
+multiprocessing.process.BaseProcess.start = _counting_processes(multiprocessing.process.BaseProcess.start)
+os.fork = _counting_processes(os.fork)
+_fixture_work: dict[object, tuple[int, int]] = {}  # FixtureDef -> (steps, processes) of its last setup
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    before = (Work.steps, Work.processes)
+    try:
+        return (yield)
+    finally:
+        _fixture_work[fixturedef] = (Work.steps - before[0], Work.processes - before[1])
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    before = (Work.steps, Work.processes)
+    result = yield
+    if item.get_closest_marker("slow") is None:
+        fixtures = [_fixture_work.get(defs[-1], (0, 0)) for defs in item._fixtureinfo.name2fixturedefs.values()]
+        steps = Work.steps - before[0] + sum(s for s, _ in fixtures)
+        processes = Work.processes - before[1] + sum(p for _, p in fixtures)
+        if processes or steps > FAST_LANE_STEPS:
+            pytest.fail(f"not marked slow, yet it (or a fixture it uses) trained {steps} steps (at most "
+                        f"{FAST_LANE_STEPS} in the fast lane) and started {processes} processes (none): "
+                        "mark it @pytest.mark.slow or make it smaller", pytrace=False)
+    return result
 
 
 def compose_config(overrides: list[str]) -> tuple[dict, str]:
@@ -55,6 +122,52 @@ def train(run_dir: Path, overrides: list[str]) -> dict:
     config, recipe = compose_config(FAST + overrides)
     result = run(make_spec(config, recipe), run_dir)
     return {"stopped": True} if result.stopped else result.to_json()
+
+
+# A run of 4 epochs of 4 steps (a tiny MLP on synthetic data), trained once per test process and only read by the
+# tests that take `finished_run`: checkpoints after epochs 2 and 3 (steps 8 and 12; step 4's was pruned, as two are
+# kept), result.json and final_model.pt at step 16.
+CHECKPOINTED_RUN = ["model=mlp", "model.hidden=16", "data.num_train=256", "data.num_test=64",
+                    "trainer.global_batch=64", "trainer.epochs=4", "trainer.log_every=2", "trainer.evals=0"]
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory) -> Path:
+    """CHECKPOINTED_RUN trained straight through (copy it before changing anything: other tests read it)."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    train(run_dir, CHECKPOINTED_RUN)
+    return run_dir
+
+
+def train_on_processes(procs: int, jobs: list) -> None:
+    """Train several runs on `procs` real processes started once: each rank runs the jobs one after another,
+    each in a process group of its own (met through its own store) and in its own run folder, as the launcher's
+    workers run one (lbt.engine.worker.train_process). A process start costs seconds (torch's import), a tiny
+    run far less. A job is (run_dir, overrides), composed here as compose_config composes them, or
+    ("copy", src, dst): rank 0 copies a run folder as if interrupted (no result), for a later job to resume."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    from lbt.parallel.process_group import HOST
+
+    specs = [job if job[0] == "copy" else (str(job[0]), make_spec(*compose_config(job[1]))) for job in jobs]
+    # One store per job, served by this process on a port the OS chose, as lbt's launcher does: ports found
+    # free and released up front were taken by other processes before their job ran (EADDRINUSE).
+    stores = [dist.TCPStore(HOST, 0, procs + 1, is_master=True, wait_for_workers=False) for _ in jobs]
+    mp.spawn(_train_jobs, args=([store.port for store in stores], specs), nprocs=procs)
+
+
+def _train_jobs(rank: int, ports: list[int], jobs: list) -> None:
+    from lbt.engine.worker import exit_worker, train_process
+
+    for port, job in zip(ports, jobs):
+        if job[0] == "copy":
+            if rank == 0:  # the other ranks wait for it in the next job's process group
+                shutil.copytree(job[1], job[2], ignore=shutil.ignore_patterns("result.json", "final_model.pt"))
+            continue
+        run_dir, spec = job
+        train_process(rank, port, spec, run_dir, rank, spec.procs)
+    exit_worker()  # as lbt's own workers end: the interpreter's teardown of gloo objects sometimes aborts
 
 
 def interrupted(finished: Path, tmp_path: Path) -> Path:

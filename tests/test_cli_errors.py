@@ -76,25 +76,25 @@ def test_a_mistake_on_the_real_command_line(tmp_path):
     assert lines[0].startswith("lbt: error:") and "did you mean dist.world_size?" in lines[0]
 
 
-@pytest.mark.slow
-def test_missing_cifar_folder_names_the_path(tmp_path):
+def test_missing_cifar_folder_names_the_path(tmp_path, capfd, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     missing = tmp_path / "no_cifar_here"
-    result = lbt_cli(["train", "data=cifar10", f"data.root={missing}", "model=resnet20", "trainer.progress=false",
-                      f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, timeout=60)
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.returncode == 2 and len(lines) == 1, result.stderr
-    assert "Traceback" not in result.stderr and lines[0].startswith("lbt: error:")
+    code, err = run_main(["train", "data=cifar10", f"data.root={missing}", "model=resnet20", "trainer.progress=false",
+                          f"hydra.run.dir={tmp_path / 'run'}"], capfd)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert "Traceback" not in err and lines[0].startswith("lbt: error:")
     assert str(missing) in lines[0]
 
 
-@pytest.mark.slow
-def test_run_folder_that_cannot_be_created(tmp_path):
+def test_run_folder_that_cannot_be_created(tmp_path, capfd, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
-    result = lbt_cli(["train", *FAST, f"hydra.run.dir={blocker / 'run'}"], tmp_path, timeout=60)
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.returncode == 2 and len(lines) == 1, result.stderr
-    assert "Traceback" not in result.stderr and "hydra.run.dir" in lines[0] and "is a file" in lines[0]
+    code, err = run_main(["train", *FAST, f"hydra.run.dir={blocker / 'run'}"], capfd)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert "Traceback" not in err and "hydra.run.dir" in lines[0] and "is a file" in lines[0]
 
 
 def one_error_line(result) -> str:
@@ -127,14 +127,14 @@ def test_config_dir_models_are_checked_too(tmp_path, capfd, monkeypatch):
     assert code == 2 and "did you mean dist.world_size?" in err and len(err.strip().splitlines()) == 1, err
 
 
-@pytest.mark.slow
-def test_cfg_of_a_sweep_shows_its_first_job(tmp_path):
+def test_cfg_of_a_sweep_shows_its_first_job(tmp_path, capfd, monkeypatch):
     """The README's `lbt train -m hydra/launcher=slurm recipe=baseline,goyal2017 --cfg hydra`."""
-    result = lbt_cli(["train", "-m", "hydra/launcher=slurm", "recipe=baseline,goyal2017", "--cfg", "hydra"],
-                     tmp_path, timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert "Traceback" not in result.stderr and "--cfg shows the sweep's first job" in result.stderr
-    assert "submitit" in result.stdout and "recipe=baseline" in result.stdout
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main_io(["train", "-m", "hydra/launcher=slurm", "recipe=baseline,goyal2017", "--cfg", "hydra"],
+                                 capfd)
+    assert code == 0, err
+    assert "Traceback" not in err and "--cfg shows the sweep's first job" in err
+    assert "submitit" in out and "recipe=baseline" in out
 
 
 def test_study_help(tmp_path, capsys, monkeypatch):
@@ -149,14 +149,14 @@ def test_study_help(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.slow
-def test_a_sweep_in_which_every_job_failed_exits_non_zero(tmp_path):
+def test_a_sweep_in_which_every_job_failed_exits_non_zero(tmp_path, capfd, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     sweep = tmp_path / "sweep"
-    result = lbt_cli(["train", "-m", *FAST, "trainer.global_batch=100000,200000", f"hydra.sweep.dir={sweep}"],
-                     tmp_path, timeout=120)
-    assert result.returncode == 2
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("lbt: error: every job of the sweep failed (2 of 2)"), result.stderr
+    code, err = run_main(["train", "-m", *FAST, "trainer.global_batch=100000,200000", f"hydra.sweep.dir={sweep}"],
+                         capfd)
+    assert code == 2
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("lbt: error: every job of the sweep failed (2 of 2)"), err
     assert len(list(sweep.glob("*/result.json"))) == 2
 
 

@@ -1,4 +1,4 @@
-"""The code stays readable: short functions, a short trainer, a small plug-in interface (STYLE.md)."""
+"""The code stays readable: short functions, a short trainer, a small plug-in interface."""
 
 import ast
 from pathlib import Path

@@ -349,6 +349,7 @@ def _trained_two_steps(run_dir, overrides):
     return result
 
 
+@pytest.mark.slow
 def test_train_two_steps_from_cifar10_files(fake_cifar10, tmp_path):
     root, _ = fake_cifar10
     result = _trained_two_steps(tmp_path / "run", [

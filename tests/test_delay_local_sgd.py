@@ -1,7 +1,7 @@
-"""Beyond lockstep SGD (issue 15): delayed gradients and local SGD, simulated exactly and run for real.
+"""Beyond lockstep SGD: delayed gradients and local SGD, simulated exactly and run for real.
 
 - the delay line and torch's averaging schedule, as pure functions;
-- simulated == real (2 gloo processes) for gradient delay d=1 and local SGD at W=2 and W=4 (BN-free mlp);
+- simulated == real processes for both: tests/test_real_equals_simulated.py;
 - local SGD with period 1 is synchronous SGD with momentum (averaging is linear);
 - a SIGTERM mid-epoch then trainer.resume=auto ends bitwise equal to the straight run, with either technique;
 - bad values and conflicting combinations are one-line config errors.
@@ -79,35 +79,6 @@ def train_config_error(overrides: list[str]) -> None:
 
 
 # -- simulated == real ---------------------------------------------------------------------------
-@pytest.mark.slow
-def test_delay_simulated_equals_real_and_differs_from_synchronous(tmp_path):
-    delay = ["technique=[gradient_delay]", "technique.gradient_delay.delay=1", "dist.world_size=2"]
-    simulated = train(tmp_path / "sim", RUN + delay)
-    real = train(tmp_path / "real", RUN + delay + ["dist.procs=2"])
-    sync = train(tmp_path / "sync", RUN + ["dist.world_size=2"])
-    assert simulated["steps"] == real["steps"] == 6
-    assert relative_diff(final_params(tmp_path / "sim"), final_params(tmp_path / "real")) < 1e-5
-    # The delay is real: 5 updates with stale gradients are not the synchronous run's 6.
-    assert relative_diff(final_params(tmp_path / "sim"), final_params(tmp_path / "sync")) > 1e-3
-    assert real["allreduces"] == sync["allreduces"] == 6  # double buffering hides, does not save, communication
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_local_sgd_simulated_equals_real(tmp_path, world_size):
-    local = ["technique=[local_sgd]", "technique.local_sgd.period=3", "technique.local_sgd.warmup_steps=2",
-             f"dist.world_size={world_size}", "trainer.evals=2"]
-    simulated = train(tmp_path / "sim", RUN + local)
-    real = train(tmp_path / "real", RUN + local + [f"dist.procs={world_size}"])
-    assert relative_diff(final_params(tmp_path / "sim"), final_params(tmp_path / "real")) < 1e-5
-    assert relative_diff(final_params(tmp_path / "sim"), initial_params(RUN)) > 1e-2
-    # Evaluations score the workers' average model: the same numbers.
-    assert simulated["final_test_loss"] == pytest.approx(real["final_test_loss"], rel=1e-4)
-    # 2 warm-up gradient allreduces + averages after steps 2 and 5 of 6.
-    assert simulated["allreduces"] == real["allreduces"] == 4
-    assert real["bytes_sent"] == pytest.approx(4 * 2 * (world_size - 1) / world_size * 4 * _params(RUN))
-
-
 def test_local_sgd_with_period_1_is_synchronous_sgd(tmp_path):
     """Averaging the models after every step is linear in the updates: momentum SGD's synchronous run."""
     train(tmp_path / "local", RUN + ["technique=[local_sgd]", "technique.local_sgd.period=1", "dist.world_size=4"])

@@ -3,20 +3,15 @@ what is refused, and exactness: a sharded run takes the steps of DDP and of the 
 bitwise from its sharded checkpoint, and resumes on another number of processes."""
 
 import json
-import os
-import shutil
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import FAST, compose_config, final_params, interrupted, relative_diff, train
+from conftest import FAST, final_params, interrupted, relative_diff, train, train_on_processes
 from test_cli_errors import run_main
 from torch import nn
 
 from lbt.cost.data_parallel import fsdp_bytes_sent, ring_bytes_sent
 from lbt.cost.memory import ModelMemory, fewest_gpus
-from lbt.engine.worker import exit_worker, make_spec, train_process
 from lbt.errors import ConfigError
 from lbt.models.cnn1d import CNN1d
 from lbt.models.gpt import GPT
@@ -81,28 +76,6 @@ def test_sharding_settings_it_cannot_run_are_one_line(tmp_path, capsys):
         assert code == 2 and err.count("\n") == 1 and expected in err, err
 
 
-def _jobs_on_ranks(rank: int, procs: int, ports: list[int], jobs: list) -> None:
-    """Each rank of one spawned group runs the jobs one after another, each in a process group of its own,
-    met through its store: one process start serves several runs. ("copy", src, dst) is done by rank 0."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(procs), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(procs))
-    for port, job in zip(ports, jobs):
-        if job[0] == "copy":
-            if rank == 0:
-                shutil.copytree(job[1], job[2], ignore=shutil.ignore_patterns("result.json", "final_model.pt"))
-            continue
-        run_dir, overrides = job
-        config, recipe = compose_config(FAST + overrides)
-        train_process(rank, port, make_spec(config, recipe), str(run_dir), rank, procs)
-    exit_worker()  # as lbt's own workers end: the interpreter's teardown of gloo objects sometimes aborts
-
-
-def spawn_jobs(procs: int, jobs: list) -> None:
-    # One store per job, served by this process on a port the OS chose, as lbt's launcher does: ports found
-    # free and released up front were taken by other processes before their job ran (EADDRINUSE).
-    stores = [dist.TCPStore("127.0.0.1", 0, procs + 1, is_master=True, wait_for_workers=False) for _ in jobs]
-    mp.spawn(_jobs_on_ranks, args=(procs, [store.port for store in stores], jobs), nprocs=procs)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Sharded and DDP runs on 2 and 4 processes under each optimizer, a sharded one killed after epoch 1 and
@@ -110,20 +83,20 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
     lamb2 = MLP_RUN + OPTIMS["lamb"] + ["trainer.epochs=2", "dist.shard=fsdp"]
     one_epoch = {name: MLP_RUN + optim + ["trainer.epochs=1"] for name, optim in OPTIMS.items()}
-    spawn_jobs(4, [
-        *[(root / f"{layout}4_{name}", run + ["dist.procs=4", f"dist.shard={shard}"])
+    train_on_processes(4, [
+        *[(root / f"{layout}4_{name}", FAST + run + ["dist.procs=4", f"dist.shard={shard}"])
           for name, run in one_epoch.items() for layout, shard in (("fsdp", "fsdp"), ("ddp", "none"))],
-        (root / "four", lamb2 + ["dist.procs=4"]),
+        (root / "four", FAST + lamb2 + ["dist.procs=4"]),
         ("copy", root / "four", root / "resumed4"),
-        (root / "resumed4", lamb2 + ["dist.procs=4", "trainer.resume=auto"]),
+        (root / "resumed4", FAST + lamb2 + ["dist.procs=4", "trainer.resume=auto"]),
         ("copy", root / "four", root / "resumed2"),
-        (root / "hybrid", HYBRID + ["dist.procs=4", "dist.world_size=4", "dist.tensor_parallel=2",
-                                    "dist.shard=fsdp"]),
+        (root / "hybrid", FAST + HYBRID + ["dist.procs=4", "dist.world_size=4", "dist.tensor_parallel=2",
+                                           "dist.shard=fsdp"]),
     ])
-    spawn_jobs(2, [
-        *[(root / f"{layout}2_{name}", run + ["dist.procs=2", f"dist.shard={shard}"])
+    train_on_processes(2, [
+        *[(root / f"{layout}2_{name}", FAST + run + ["dist.procs=2", f"dist.shard={shard}"])
           for name, run in one_epoch.items() for layout, shard in (("fsdp", "fsdp"), ("ddp", "none"))],
-        (root / "resumed2", lamb2 + ["dist.procs=2", "trainer.resume=auto"]),
+        (root / "resumed2", FAST + lamb2 + ["dist.procs=2", "trainer.resume=auto"]),
     ])
     for name, run in one_epoch.items():
         train(root / f"sim_{name}", run + ["dist.procs=1"])
@@ -163,6 +136,7 @@ def test_a_sharded_checkpoint_resumes_bitwise_and_on_fewer_processes(runs):
     assert exported["1.weight"].shape == (32, 40)
 
 
+@pytest.mark.slow
 def test_a_replicated_checkpoint_is_not_resumed_sharded(tmp_path, capsys):
     train(tmp_path / "ddp", MLP_RUN[:-1] + ["trainer.epochs=2", "dist.procs=1"])
     run_dir = interrupted(tmp_path / "ddp", tmp_path)

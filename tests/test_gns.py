@@ -74,8 +74,6 @@ def exact_b_simple(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> 
 
 LAYOUTS = {
     "simulated": ["dist.world_size=4", "trainer.per_worker_batch=16"],
-    "real+simulated": ["dist.world_size=4", "dist.procs=2", "trainer.per_worker_batch=16"],
-    "real": ["dist.world_size=2", "dist.procs=2", "trainer.per_worker_batch=32"],  # via the DDP comm hook
     # the extra pass every 4th step only
     "simulated, every 4th step": ["dist.world_size=4", "trainer.per_worker_batch=16", "technique.gns.every=4"],
 }

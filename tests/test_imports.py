@@ -1,4 +1,4 @@
-"""lbt's imports only go down its layers (DESIGN.md "Shape of the code"), and nothing imports in a circle.
+"""lbt's imports only go down its layers, and nothing imports in a circle.
 
     0  lbt.errors, lbt.paths, lbt.rng                       plain helpers every layer uses
     1  lbt.spec                                             the typed spec, batching, LR, result.json

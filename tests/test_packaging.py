@@ -36,6 +36,7 @@ def test_installed_wheel_finds_its_configs(tmp_path):
     assert (elsewhere / "run" / "result.json").is_file()
 
 
+@pytest.mark.slow
 def test_each_checkout_has_its_own_venv():
     """A venv shared between clones (keyed by pyproject.toml) ran whichever clone last set it up."""
     import shutil

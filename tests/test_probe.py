@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import final_params, signal_after_line, train
 from test_cli_errors import run_main, run_main_io
-
-from tests.conftest import final_params, lbt_cli, relative_diff, signal_after_line, train
 
 BASE = ["model=mlp", "trainer.per_worker_batch=8", "trainer.epochs=4", "optim.lr=0.05"]  # 512 samples: 64 steps/epoch
 
@@ -28,6 +27,7 @@ def branch(tmp_path: Path, base: Path, name: str, at: int, samples: int, extra: 
     return folder
 
 
+@pytest.mark.slow
 def test_snapshots_do_not_change_the_run_and_a_k1_branch_continues_it_exactly(tmp_path):
     plain = tmp_path / "plain"
     train(plain, BASE)
@@ -40,16 +40,6 @@ def test_snapshots_do_not_change_the_run_and_a_k1_branch_continues_it_exactly(tm
 
 
 @pytest.mark.slow
-def test_branch_on_simulated_workers_equals_real_processes(tmp_path):
-    base = base_run(tmp_path, [256])
-    simulated = branch(tmp_path, base, "sim", 256, 256, ["dist.world_size=4", "dist.procs=1"])
-    real = branch(tmp_path, base, "real", 256, 256, ["dist.world_size=4", "dist.procs=2"])
-    result = json.loads((simulated / "result.json").read_text())
-    assert result["samples_seen"] == 512 and not result["diverged"]
-    assert relative_diff(final_params(simulated), final_params(real)) < 1e-5
-    assert relative_diff(final_params(simulated), final_params(base)) > 1e-3  # it trained: not the base run's end
-
-
 def test_a_branch_past_its_loss_limit_stops_as_diverged(tmp_path):
     base = base_run(tmp_path, [256])
     wild = branch(tmp_path, base, "wild", 256, 1024, ["dist.world_size=8", "optim.lr=500", "trainer.log_every=1"])
@@ -58,18 +48,25 @@ def test_a_branch_past_its_loss_limit_stops_as_diverged(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_branch_off_the_step_grid_or_without_its_snapshot_is_one_line(tmp_path):
+def test_a_branch_off_the_step_grid_or_without_its_snapshot_is_one_line(tmp_path, capfd, monkeypatch):
+    """`lbt train` in this process (the command's exit code and stderr; tests/test_cli_errors.py runs it as a
+    process)."""
+    monkeypatch.chdir(tmp_path)
     base = base_run(tmp_path, [24])
-    done = lbt_cli(["train", *BASE, "data=synthetic", "trainer.device=cpu", f"trainer.branch_from={base}",
-                    "trainer.branch_at=24", "trainer.branch_samples=64", "dist.world_size=4",
-                    f"hydra.run.dir={tmp_path / 'b'}"], cwd=tmp_path)
-    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith("lbt: error: trainer.branch_at=24")
-    missing = lbt_cli(["train", *BASE, "data=synthetic", f"trainer.branch_from={base}", "trainer.branch_at=40",
-                       "trainer.branch_samples=64", f"hydra.run.dir={tmp_path / 'c'}"], cwd=tmp_path)
-    assert missing.returncode == 2 and "no snapshot" in missing.stderr and "Traceback" not in missing.stderr
+    code, err = run_main(["train", *BASE, "data=synthetic", "trainer.device=cpu", "trainer.progress=false",
+                          f"trainer.branch_from={base}", "trainer.branch_at=24", "trainer.branch_samples=64",
+                          "dist.world_size=4", f"hydra.run.dir={tmp_path / 'b'}"], capfd)
+    assert code == 2 and err.strip().splitlines()[-1].startswith("lbt: error: trainer.branch_at=24")
+    code, err = run_main(["train", *BASE, "data=synthetic", "trainer.progress=false", f"trainer.branch_from={base}",
+                          "trainer.branch_at=40", "trainer.branch_samples=64", f"hydra.run.dir={tmp_path / 'c'}"],
+                         capfd)
+    assert code == 2 and "no snapshot" in err and "Traceback" not in err
 
 
 PROBE = ["data=synthetic", "trainer.device=cpu", *BASE, "probe.max_factor=8", "probe.checkpoints=3"]
+# Half of it, for the tests that stop a probe among its branches and continue it: rounds at 1x, 2x and 4x.
+SHORT_PROBE = ["data=synthetic", "trainer.device=cpu", *[o for o in BASE if not o.startswith("trainer.epochs=")],
+               "trainer.epochs=2", "probe.max_factor=4", "probe.checkpoints=2"]
 
 
 def branch_stamps(folder: Path) -> dict[str, int]:
@@ -77,13 +74,15 @@ def branch_stamps(folder: Path) -> dict[str, int]:
 
 
 @pytest.mark.slow
-def test_probe_end_to_end_and_continued_without_training_a_branch_twice(tmp_path, capfd):
+def test_probe_end_to_end_and_continued_without_training_a_branch_twice(tmp_path, capfd, monkeypatch):
+    """In this process, as `lbt probe` runs it: the command's own process is in the stop tests below."""
+    monkeypatch.chdir(tmp_path)
     folder = tmp_path / "probe"
-    done = lbt_cli(["probe", *PROBE, f"probe.dir={folder}"], cwd=tmp_path, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    first = done.stdout.splitlines()[0]
+    code, out, err = run_main_io(["probe", *PROBE, f"probe.dir={folder}"], capfd)
+    assert code == 0, err[-2000:]
+    first = out.splitlines()[0]
     assert first.startswith("probe: base run of 2,048 samples")  # what it costs, before anything ran
-    assert "samples/s measured here" in done.stdout.splitlines()[1]
+    assert "samples/s measured here" in out.splitlines()[1]
     for name in ("probe.json", "probe.md", "critical_batch_over_training.png", "branches.png"):
         assert (folder / name).stat().st_size > 0, name
     assert list((folder / "tb").glob("events.out.tfevents.*"))
@@ -105,7 +104,7 @@ def test_probe_end_to_end_and_continued_without_training_a_branch_twice(tmp_path
     for name in lost:
         (folder / "branches" / name / "result.json").unlink()
     (folder / "probe.json").unlink()
-    code, out, err = run_main_io(["probe", *PROBE, f"probe.dir={folder}"], capfd)  # in this process: one start less
+    code, out, err = run_main_io(["probe", *PROBE, f"probe.dir={folder}"], capfd)
     assert code == 0, err[-2000:]
     after = branch_stamps(folder)
     assert sorted(after) == sorted(stamps)
@@ -117,16 +116,17 @@ def test_probe_end_to_end_and_continued_without_training_a_branch_twice(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_probe_stopped_among_its_branches_exits_with_the_signals_code(tmp_path, sig):
+def test_a_probe_stopped_among_its_branches_exits_with_the_signals_code(tmp_path, sig, capfd, monkeypatch):
     """Told to stop once its branches started: the signal's code and the command that continues it (before,
     a SIGTERM there was a config mistake, exit 2); the same command then finishes the probe."""
-    args = ["probe", *PROBE, f"probe.dir={tmp_path / 'probe'}"]
+    args = ["probe", *SHORT_PROBE, f"probe.dir={tmp_path / 'probe'}"]
     code, _, err = signal_after_line(args, tmp_path, r"^probe: \d+ branch\(es\) at 2x", sig)
     assert code == 128 + sig and "Traceback" not in err, (code, err)
     said = f"lbt: probe stopped; finished runs are kept. Continue with: lbt {' '.join(args)}"
     assert err.strip().splitlines()[-1] == said
-    again = lbt_cli(args, cwd=tmp_path, timeout=300)
-    assert again.returncode == 0 and "probe finished" in again.stdout, again.stderr[-2000:]
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main_io(args, capfd)  # continued in this process
+    assert code == 0 and "probe finished" in out, err[-2000:]
 
 
 @pytest.mark.slow
@@ -146,7 +146,7 @@ def test_a_sigterm_to_the_probe_alone_stops_the_branches_its_launcher_runs_elsew
     """`kill PID` reaches the probe only, not the joblib workers that run its branches: they stop at their
     next step (the stop file), none of the round's branches finishes."""
     folder = tmp_path / "probe"
-    args = ["probe", *PROBE, f"probe.dir={folder}", "hydra/launcher=local_parallel"]
+    args = ["probe", *SHORT_PROBE, f"probe.dir={folder}", "hydra/launcher=local_parallel"]
     code, _, err = signal_after_line(args, tmp_path, r"^probe: \d+ branch\(es\) at 1x", signal.SIGTERM)
     assert code == 143 and "Traceback" not in err, (code, err)
     started = list((folder / "branches").glob("at*_w1_seed0"))
@@ -174,12 +174,13 @@ def test_bad_probe_settings_are_one_line(tmp_path, args, says, capfd, monkeypatc
 
 
 @pytest.mark.slow
-def test_a_probe_folder_of_another_probe_or_a_diverged_base_is_refused(tmp_path, capfd):
+def test_a_probe_folder_of_another_probe_or_a_diverged_base_is_refused(tmp_path, capfd, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     folder = tmp_path / "p"
     folder.mkdir()
     (folder / "probe_command.json").write_text(json.dumps({"overrides": [], "settings": {"checkpoints": 9}}))
-    other = lbt_cli(["probe", *PROBE, f"probe.dir={folder}"], cwd=tmp_path)
-    assert other.returncode == 2 and "holds another probe" in other.stderr and len(other.stderr.splitlines()) == 1
+    code, err = run_main(["probe", *PROBE, f"probe.dir={folder}"], capfd)
+    assert code == 2 and "holds another probe" in err and len(err.splitlines()) == 1
     code, err = run_main(["probe", *PROBE, "optim.lr=1e9", f"probe.dir={tmp_path / 'q'}"], capfd)
     assert code == 2 and err.strip().splitlines()[-1].startswith("lbt: error: the base run diverged")
 

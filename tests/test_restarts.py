@@ -1,4 +1,4 @@
-"""A killed worker costs time, not results (issue 18, section 1): with dist.max_restarts the
+"""A killed worker costs time, not results: with dist.max_restarts the
 launcher starts the job again from its last checkpoint, and the run ends bitwise equal to one
 never interrupted; result.json records the restart. Config errors are not retried."""
 

@@ -1,6 +1,6 @@
-"""Exact resume through the `lbt` command: a run of two real processes stopped part-way (SIGKILL after a
-checkpoint, SIGTERM mid-epoch, Ctrl-C) and continued with trainer.resume=auto ends bitwise equal to the run
-trained straight.
+"""Exact resume after the `lbt` command is stopped: a run of two real processes stopped part-way (SIGKILL after
+a checkpoint, SIGTERM mid-epoch, Ctrl-C, each to the command's own process) and continued with
+trainer.resume=auto (`lbt train` in this process) ends bitwise equal to the run trained straight.
 
 Simulated workers resume the same way in process (tests/test_resume_matrix.py: every recipe and technique);
 a killed worker is named (tests/test_launchers.py) and its run resumed exactly (tests/test_restarts.py)."""
@@ -15,8 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, lbt_cli
+from conftest import FAST, compose_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from test_cli_errors import run_main_io
+
+from lbt.engine import make_spec, run
 
 EPOCHS = 4
 STEPS_PER_EPOCH = 16  # 2048 samples / global batch 128
@@ -52,17 +55,23 @@ def assert_same_run(straight: Path, resumed: Path) -> None:
     assert train_steps == sorted(set(train_steps))  # no step logged twice
 
 
+def resume(args: list[str], capfd) -> str:
+    """`lbt train ARGS trainer.resume=auto` in this process (the stops are the command's own processes): stdout."""
+    code, out, err = run_main_io(["train", *args, "trainer.resume=auto"], capfd)
+    assert code == 0, err
+    return out
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> Path:
-    """The run trained without interruption."""
-    root = tmp_path_factory.mktemp("straight")
-    done = lbt_cli(["train", *RUN, *REAL, f"hydra.run.dir={root / 'run'}"], root, timeout=300)
-    assert done.returncode == 0, done.stderr
-    return root / "run"
+    """The run trained without interruption (in this process; its workers are real processes)."""
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    run(make_spec(*compose_config(RUN + REAL)), run_dir)
+    return run_dir
 
 
 @pytest.mark.slow
-def test_resume_after_sigkill_following_a_checkpoint(straight, tmp_path):
+def test_resume_after_sigkill_following_a_checkpoint(straight, tmp_path, capfd):
     args = [*RUN, *REAL, f"hydra.run.dir={tmp_path / 'run'}"]
     job = start(args, tmp_path)
     latest = tmp_path / "run" / "checkpoint" / "latest.json"
@@ -73,14 +82,12 @@ def test_resume_after_sigkill_following_a_checkpoint(straight, tmp_path):
     os.killpg(job.pid, signal.SIGKILL)  # the launcher and all its workers, at once
     job.wait(timeout=30)
     assert not (tmp_path / "run" / "result.json").exists()
-    resumed = lbt_cli(["train", *args, "trainer.resume=auto"], tmp_path, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr
-    assert "resumed from step" in resumed.stdout
+    assert "resumed from step" in resume(args, capfd)
     assert_same_run(straight, tmp_path / "run")
 
 
 @pytest.mark.slow
-def test_resume_after_sigterm_in_the_middle_of_an_epoch(straight, tmp_path):
+def test_resume_after_sigterm_in_the_middle_of_an_epoch(straight, tmp_path, capfd):
     args = [*RUN, *REAL, "trainer.checkpoint_every=0", f"hydra.run.dir={tmp_path / 'run'}"]
     job = start(args, tmp_path)
     wait_for_line(job, "epoch 1/")
@@ -90,14 +97,12 @@ def test_resume_after_sigterm_in_the_middle_of_an_epoch(straight, tmp_path):
     assert "stopped at step" in out and "trainer.resume=auto" in out
     meta = json.loads((tmp_path / "run" / "checkpoint" / "latest.json").read_text())
     assert meta["step"] % STEPS_PER_EPOCH != 0  # really mid-epoch
-    resumed = lbt_cli(["train", *args, "trainer.resume=auto"], tmp_path, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"resumed from step {meta['step']}" in resumed.stdout
+    assert f"resumed from step {meta['step']}" in resume(args, capfd)
     assert_same_run(straight, tmp_path / "run")
 
 
 @pytest.mark.slow
-def test_ctrl_c_checkpoints_and_stops_cleanly(straight, tmp_path):
+def test_ctrl_c_checkpoints_and_stops_cleanly(straight, tmp_path, capfd):
     """Ctrl-C in a terminal sends SIGINT to the whole process group: launcher and workers."""
     args = [*RUN, *REAL, "trainer.checkpoint_every=0", f"hydra.run.dir={tmp_path / 'run'}"]
     job = start(args, tmp_path)
@@ -109,7 +114,5 @@ def test_ctrl_c_checkpoints_and_stops_cleanly(straight, tmp_path):
     assert not (tmp_path / "run" / "result.json").exists()
     meta = json.loads((tmp_path / "run" / "checkpoint" / "latest.json").read_text())
     assert EPOCHS * STEPS_PER_EPOCH > meta["step"] > STEPS_PER_EPOCH
-    resumed = lbt_cli(["train", *args, "trainer.resume=auto"], tmp_path, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"resumed from step {meta['step']}" in resumed.stdout
+    assert f"resumed from step {meta['step']}" in resume(args, capfd)
     assert_same_run(straight, tmp_path / "run")

@@ -5,7 +5,10 @@ of an epoch by a real SIGTERM (sent by a test-only technique at a chosen step,
 the signal SLURM sends on preemption) and continued with trainer.resume=auto in
 the same run folder. Both must end with bitwise equal parameters and the same
 steps, validation history and losses. Runs are in-process (tiny data, a few
-epochs), except PowerSGD, whose per-rank error feedback needs real processes.
+epochs), except the cases on two real processes (PowerSGD's per-rank error feedback,
+the delay's allreduces in flight, each rank's local model, tensor parallelism): those
+train each phase (straight, stopped, resumed) of every such case on two processes
+started once (`real_phases`, conftest.train_on_processes).
 """
 
 from __future__ import annotations
@@ -13,12 +16,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import one_gloo_process, train
+from conftest import FAST, one_gloo_process, train, train_on_processes
 
 from lbt.apps.compose import conf_dir
 from lbt.techniques import Technique
@@ -98,50 +102,88 @@ def sigterm_at(step: int) -> list[str]:
     return [f"+technique.sigterm._target_={__name__}.SigtermAt", f"+technique.sigterm.step={step}"]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", [pytest.param(c, marks=POWERSGD_ON_CPU) if c == "powersgd" else c for c in CASES])
-def test_stopped_by_sigterm_mid_epoch_then_resumed_equals_straight_run(case, tmp_path, capfd):
-    overrides, stop_at = CASES[case]
-    args = RUN + overrides
-    straight = train(tmp_path / "straight", args)
-    assert not straight["diverged"] and straight["steps"] > stop_at + 2
+def on_real_processes(case: str) -> bool:
+    return "dist.procs=2" in CASES[case][0]
 
-    stopped_args = args + sigterm_at(stop_at)
-    stopped = train(tmp_path / "run", stopped_args)
-    out = capfd.readouterr().out
-    assert stopped["stopped"] and "stopped at step" in out
-    assert not (tmp_path / "run" / "result.json").exists()
-    meta = json.loads((tmp_path / "run" / "checkpoint" / "latest.json").read_text())
-    loop = torch.load(tmp_path / "run" / "checkpoint" / meta["folder"] / "rank0.pt", weights_only=True)["loop"]
-    assert meta["step"] > stop_at and loop["step_in_epoch"] > 0  # really mid-epoch, after the signal
 
-    resumed = train(tmp_path / "run", stopped_args + ["trainer.resume=auto"])
-    assert f"resumed from step {meta['step']} " in capfd.readouterr().out  # from the checkpoint, not from scratch
-    a = torch.load(tmp_path / "straight" / "final_model.pt", weights_only=True)
-    b = torch.load(tmp_path / "run" / "final_model.pt", weights_only=True)
+# The epoch-end case: a checkpoint every epoch, a stop read at the epoch's last step (during step 12).
+EPOCH_END = (["dist.procs=2", "trainer.checkpoint_every=1"], 11)
+
+
+@pytest.fixture(scope="module")
+def real_phases(tmp_path_factory) -> Path:
+    """Every real-process case (and EPOCH_END) trained straight, stopped by its SIGTERM, and resumed: each phase of
+    all the cases on the same two processes. A folder per case: straight/ and run/ (stopped, then resumed)."""
+    root = tmp_path_factory.mktemp("real")
+    cases = {name: CASES[name] for name in CASES if on_real_processes(name)
+             and not (name == "powersgd" and torch.cuda.is_available())} | {"epoch_end": EPOCH_END}
+    stopped = {name: FAST + RUN + overrides + sigterm_at(stop_at) for name, (overrides, stop_at) in cases.items()}
+    train_on_processes(2, [(root / name / "straight", FAST + RUN + overrides)
+                           for name, (overrides, _) in cases.items()])
+    train_on_processes(2, [(root / name / "run", args) for name, args in stopped.items()])
+    for name in cases:  # what the stop left, before the resume adds to it
+        (root / name / "stopped.log").write_text((root / name / "run" / "train.log").read_text())
+        (root / name / "stopped.json").write_text((root / name / "run" / "checkpoint" / "latest.json").read_text())
+        (root / name / "stopped_result").write_text(str((root / name / "run" / "result.json").exists()))
+    train_on_processes(2, [(root / name / "run", args + ["trainer.resume=auto"]) for name, args in stopped.items()])
+    return root
+
+
+def assert_resumed_exactly(straight_dir: Path, run_dir: Path, straight: dict, resumed: dict) -> None:
+    a = torch.load(straight_dir / "final_model.pt", weights_only=True)
+    b = torch.load(run_dir / "final_model.pt", weights_only=True)
     assert a.keys() == b.keys()
     assert not [k for k in a if not torch.equal(a[k], b[k])], "tensors differ after resume"
     for key in COMPARED:
         assert resumed[key] == straight[key], key
 
 
+def stop_checkpoint(meta: dict, run_dir: Path) -> dict:
+    """The loop state in the checkpoint the stop wrote (latest.json's `meta`)."""
+    return torch.load(run_dir / "checkpoint" / meta["folder"] / "rank0.pt", weights_only=True)["loop"]
+
+
 @pytest.mark.slow
-def test_a_stop_at_an_epochs_end_after_its_checkpoint_stops_cleanly_and_resumes_exactly(tmp_path, capfd):
+@pytest.mark.parametrize("case", [pytest.param(c, marks=POWERSGD_ON_CPU) if c == "powersgd" else c for c in CASES])
+def test_stopped_by_sigterm_mid_epoch_then_resumed_equals_straight_run(case, tmp_path, capfd, request):
+    overrides, stop_at = CASES[case]
+    if on_real_processes(case):
+        folder = request.getfixturevalue("real_phases") / case
+        straight_dir, run_dir = folder / "straight", folder / "run"
+        straight = json.loads((straight_dir / "result.json").read_text())
+        stopped_log, meta = (folder / "stopped.log").read_text(), json.loads((folder / "stopped.json").read_text())
+        assert (folder / "stopped_result").read_text() == "False" and "stopped at step" in stopped_log
+        resumed = json.loads((run_dir / "result.json").read_text())
+        resumed_log = (run_dir / "train.log").read_text()[len(stopped_log):]
+    else:
+        args = RUN + overrides
+        straight_dir, run_dir = tmp_path / "straight", tmp_path / "run"
+        straight = train(straight_dir, args)
+        stopped = train(run_dir, args + sigterm_at(stop_at))
+        out = capfd.readouterr().out
+        assert stopped["stopped"] and "stopped at step" in out
+        assert not (run_dir / "result.json").exists()
+        meta = json.loads((run_dir / "checkpoint" / "latest.json").read_text())
+        resumed = train(run_dir, args + sigterm_at(stop_at) + ["trainer.resume=auto"])
+        resumed_log = capfd.readouterr().out
+    assert not straight["diverged"] and straight["steps"] > stop_at + 2
+    assert meta["step"] > stop_at and stop_checkpoint(meta, run_dir)["step_in_epoch"] > 0  # really mid-epoch
+    assert f"resumed from step {meta['step']} " in resumed_log  # from the checkpoint, not from scratch
+    assert_resumed_exactly(straight_dir, run_dir, straight, resumed)
+
+
+@pytest.mark.slow
+def test_a_stop_at_an_epochs_end_after_its_checkpoint_stops_cleanly_and_resumes_exactly(real_phases):
     """Two processes, a checkpoint every epoch, a stop read at the epoch's last step: the epoch's checkpoint
     and the stop's are written one after the other at the same step. Rank 1 must not write the second
     while rank 0 still publishes the first and clears unfinished folders (it lost its file: ENOENT)."""
-    args = RUN + ["dist.procs=2", "trainer.checkpoint_every=1"]
-    straight = train(tmp_path / "straight", args)
-    stopped = train(tmp_path / "run", args + sigterm_at(11))  # during step 12, the last of epoch 1
-    out = capfd.readouterr().out
-    assert stopped["stopped"] and "stopped at step 12 (epoch 2, step 0 of it)" in out
-    resumed = train(tmp_path / "run", args + sigterm_at(11) + ["trainer.resume=auto"])
-    assert "resumed from step 12 " in capfd.readouterr().out
-    a = torch.load(tmp_path / "straight" / "final_model.pt", weights_only=True)
-    b = torch.load(tmp_path / "run" / "final_model.pt", weights_only=True)
-    assert not [k for k in a if not torch.equal(a[k], b[k])], "tensors differ after resume"
-    for key in COMPARED:
-        assert resumed[key] == straight[key], key
+    folder = real_phases / "epoch_end"
+    stopped_log = (folder / "stopped.log").read_text()
+    assert (folder / "stopped_result").read_text() == "False"
+    assert "stopped at step 12 (epoch 2, step 0 of it)" in stopped_log
+    assert "resumed from step 12 " in (folder / "run" / "train.log").read_text()[len(stopped_log):]
+    straight, resumed = (json.loads((folder / d / "result.json").read_text()) for d in ("straight", "run"))
+    assert_resumed_exactly(folder / "straight", folder / "run", straight, resumed)
 
 
 @POWERSGD_ON_CPU
@@ -234,13 +276,3 @@ def test_first_powersgd_step_after_resume_reduces_as_the_checkpointed_buckets(tm
     resumed_at = None
     with one_gloo_process():
         check()
-
-
-def test_a_checkpoint_of_an_older_format_is_a_one_line_error(tmp_path):
-    from lbt.engine.checkpoint import Checkpointer
-    from lbt.errors import ConfigError
-
-    (tmp_path / "checkpoint").mkdir()
-    (tmp_path / "checkpoint" / "latest.json").write_text(json.dumps({"step": 8, "folder": "step_8", "procs": 1}))
-    with pytest.raises(ConfigError, match="format 1 of an older lbt"):
-        Checkpointer(tmp_path, 0, 1).load_latest()

@@ -51,13 +51,6 @@ def test_every_technique_trains_two_steps_alone(technique, tmp_path):
     assert result["steps"] == 2 and math.isfinite(result["final_train_loss"])
 
 
-@pytest.mark.slow
-def test_comm_compression_on_real_processes(tmp_path):
-    result = train(tmp_path, ["technique=[comm_compression]", "technique.comm_compression.kind=fp16",
-                              "model=mlp", "dist.world_size=2", "dist.procs=2", *TWO_STEPS])
-    assert result["steps"] == 2 and math.isfinite(result["final_train_loss"])
-
-
 def test_train_lr_curve_is_lr_at(tmp_path, capsys):
     # 512 samples, global batch 128: 4 steps/epoch, 3 epochs; warmup 1 epoch; poly decay after it
     result = train(tmp_path, ["model=mlp", "dist.world_size=4", "trainer.per_worker_batch=32", "trainer.epochs=3",

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import FAST, final_params, lbt_cli, relative_diff, train
+from conftest import FAST, lbt_cli
 from torch import nn
 
 from lbt.errors import ConfigError
@@ -97,52 +97,6 @@ def test_auto_splits_the_gpus_past_the_batch_cap():
         auto_tensor_parallel(4, 64, None)
     with pytest.raises(ConfigError, match="T=4, which does not divide dist.world_size=3"):
         auto_tensor_parallel(3, 64, 64)
-
-
-@pytest.mark.slow
-def test_one_group_of_two_equals_one_process(tmp_path):
-    """DP=1 x T=2 on 2 processes = 1 process at the same global batch (BN-free mlp)."""
-    common = ["model=mlp", "model.hidden=64", *STEPS, "trainer.per_worker_batch=64"]
-    split = train(tmp_path / "tp", common + ["dist.procs=2", "dist.world_size=2", "dist.tensor_parallel=2"])
-    single = train(tmp_path / "one", common + ["dist.procs=1", "dist.world_size=1"])
-    assert (split["global_batch"], split["world_size"], split["tensor_parallel"], split["steps"]) == (64, 2, 2, 20)
-    assert relative_diff(final_params(tmp_path / "one"), final_params(tmp_path / "tp")) < 1e-5
-    assert split["final_train_loss"] == pytest.approx(single["final_train_loss"], rel=1e-5)
-    assert split["final_test_acc"] == pytest.approx(single["final_test_acc"], abs=1e-9)
-
-
-@pytest.mark.slow
-def test_norms_over_split_layers_count_every_shard(tmp_path):
-    """A transformer whose blocks' attention (by heads) and MLPs are split, trained by LAMB with gradient clipping
-    (each rank clips by the whole gradient's norm: the shards' norms summed over the group with the replicated
-    ones'), and the noise scale measured over 4 simulated workers (with SGD, whose step it is defined for):
-    the split run equals the unsplit one."""
-    common = ["model=transformer1d", "model.dim=16", "model.depth=1", "model.heads=2", "optim=lamb",
-              "optim.lr=0.01", "technique=[grad_clip]", "technique.grad_clip.max_norm=0.1", "measure=[gns]",
-              *STEPS[:2], "trainer.global_batch=64"]
-    split = train(tmp_path / "tp", common + ["dist.procs=2", "dist.world_size=8", "dist.tensor_parallel=2"])
-    single = train(tmp_path / "one", common + ["dist.procs=1", "dist.world_size=4"])
-    assert relative_diff(final_params(tmp_path / "one"), final_params(tmp_path / "tp")) < 1e-5
-    # B_simple is only a critical batch for SGD's step: result.json leaves LAMB's out and says why.
-    assert "gns/b_simple" not in split["technique_metrics"] and any("not defined for LAMB" in t
-                                                                    for t in split["techniques"])
-    sgd = [c for c in common if not c.startswith("optim")] + ["optim=sgd", "optim.lr=0.01"]
-    split = train(tmp_path / "tp_sgd", sgd + ["dist.procs=2", "dist.world_size=8", "dist.tensor_parallel=2"])
-    single = train(tmp_path / "one_sgd", sgd + ["dist.procs=1", "dist.world_size=4"])
-    assert split["technique_metrics"]["gns/b_simple"] == pytest.approx(single["technique_metrics"]["gns/b_simple"],
-                                                                       rel=1e-4)
-
-
-@pytest.mark.slow
-def test_two_groups_of_two_equal_two_data_parallel_workers(tmp_path):
-    """DP=2 x T=2 on 4 processes = DP=2 on 2 processes: cnn1d, whose convolutions (and per-worker
-    BatchNorm) are replicated in a group and whose head is split; each group simulates 2 workers."""
-    common = ["model=cnn1d", "model.channels=16", *STEPS, "trainer.global_batch=64"]
-    hybrid = train(tmp_path / "hybrid", common + ["dist.procs=4", "dist.world_size=8", "dist.tensor_parallel=2"])
-    data_parallel = train(tmp_path / "dp", common + ["dist.procs=2", "dist.world_size=4"])
-    assert (hybrid["data_parallel"], hybrid["global_batch"]) == (4, 64)
-    assert relative_diff(final_params(tmp_path / "dp"), final_params(tmp_path / "hybrid")) < 1e-5
-    assert hybrid["final_test_acc"] == pytest.approx(data_parallel["final_test_acc"], abs=1e-9)
 
 
 def _job(job_dir: str, gpus: int, acc: float, t: int = 1, seed: int = 0) -> dict:

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import compose_config, final_params, relative_diff
+from conftest import compose_config
 
 from lbt.data.base import DataShape
 from lbt.data.text import build_text
@@ -112,14 +112,3 @@ def test_train_a_character_model_in_process(tmp_path, text_file, capsys):
 def test_a_classification_model_is_told_to_pick_char_transformer(tmp_path, text_file):
     with pytest.raises(ConfigError, match="char_transformer"):
         text_run(tmp_path / "run", text_file, [], model=["model=mlp"])
-
-
-@pytest.mark.slow
-def test_two_real_workers_equal_two_simulated(tmp_path, text_file):
-    """No BatchNorm: W=2 on 2 processes and W=2 simulated on 1 take the same steps."""
-    common = ["dist.world_size=2", "trainer.per_worker_batch=8", "trainer.max_steps=4"]
-    real = text_run(tmp_path / "real", text_file, [*common, "dist.procs=2"])
-    simulated = text_run(tmp_path / "sim", text_file, [*common, "dist.procs=1"])
-    assert (real["procs"], simulated["procs"], real["steps"], simulated["steps"]) == (2, 1, 4, 4)
-    assert relative_diff(final_params(tmp_path / "real"), final_params(tmp_path / "sim")) < 1e-5
-    assert real["final_val_loss"] == pytest.approx(simulated["final_val_loss"], rel=1e-5)

@@ -1,4 +1,4 @@
-"""`model=timm model.name=NAME`: any timm model by name, trained and planned like lbt's own (issue 31, section 3)."""
+"""`model=timm model.name=NAME`: any timm model by name, trained and planned like lbt's own."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def test_plan_profiles_a_timm_model_with_train_overrides(tmp_path, capsys):
 
 
 def test_plan_takes_overrides_after_dash_dash_options(tmp_path, capsys):
-    """`lbt plan --model torchvision model.name=resnet18`: the form issue 31 found failing."""
+    """`lbt plan --model torchvision model.name=resnet18`: a form that once failed."""
     code = plan_main(["--model", "torchvision", "model.name=resnet18", "--data", "synthetic",
                       "data.input_shape=[3,32,32]", "--step-ms", "3", "--max-workers", "2",
                       "--out", str(tmp_path / "plan.png")])

@@ -157,27 +157,6 @@ def test_train_gpt_on_tokens_and_simulate_four_workers_exactly(tmp_path, token_d
 
 
 @pytest.mark.slow
-def test_four_real_workers_equal_four_simulated(tmp_path, token_dir):
-    common = ["dist.world_size=4", "trainer.per_worker_batch=4", "trainer.max_steps=3"]
-    real = token_run(tmp_path / "real", token_dir, [*common, "dist.procs=4"])
-    simulated = token_run(tmp_path / "sim", token_dir, [*common, "dist.procs=1"])
-    assert (real["procs"], simulated["procs"], real["steps"]) == (4, 1, 3)
-    assert relative_diff(final_params(tmp_path / "real"), final_params(tmp_path / "sim")) < 1e-5
-    assert real["final_val_loss"] == pytest.approx(simulated["final_val_loss"], rel=1e-5)
-
-
-@pytest.mark.slow
-def test_tensor_parallel_gpt_equals_the_unsplit_one(tmp_path, token_dir):
-    common = ["trainer.per_worker_batch=8", "trainer.max_steps=3"]
-    split = token_run(tmp_path / "tp", token_dir, [*common, "dist.procs=2", "dist.world_size=2",
-                                                   "dist.tensor_parallel=2"])
-    single = token_run(tmp_path / "one", token_dir, [*common, "dist.procs=1", "dist.world_size=1"])
-    assert (split["tensor_parallel"], split["global_batch"], split["steps"]) == (2, 8, 3)
-    assert relative_diff(final_params(tmp_path / "one"), final_params(tmp_path / "tp")) < 1e-5
-    assert split["final_val_loss"] == pytest.approx(single["final_val_loss"], rel=1e-5)
-
-
-@pytest.mark.slow
 def test_a_study_judged_on_loss_reports_bits_per_token(tmp_path, token_dir):
     from lbt.apps.cli import main
 

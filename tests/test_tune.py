@@ -8,7 +8,7 @@ from pathlib import Path
 
 import optuna
 import pytest
-from conftest import compose_config, lbt_cli, signal_after_line
+from conftest import compose_config, signal_after_line
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_cli_errors import run_main_io
 
@@ -36,21 +36,22 @@ def trials_in(folder: Path) -> dict[str, list[tuple[int, str]]]:
 
 
 @pytest.mark.slow
-def test_tune_a_tiny_grid_then_the_same_command_runs_nothing_new(tmp_path, capfd):
+def test_tune_a_tiny_grid_then_the_same_command_runs_nothing_new(tmp_path, capfd, monkeypatch):
     """The acceptance case: 2 recipes x 2 batches x 3 trials, finals with 2 seeds; then the same command."""
     folder = tmp_path / "tune"
     args = ["tune", *TINY, "recipe=baseline,goyal2017", "dist.world_size=1,4", "tune.trials=3", "tune.seeds=2",
             f"tune.dir={folder}"]
-    first = lbt_cli(args, cwd=tmp_path, timeout=300)
-    assert first.returncode == 0, first.stderr
+    monkeypatch.chdir(tmp_path)
+    code, first, err = run_main_io(args, capfd)  # in this process, as `lbt tune` runs it
+    assert code == 0, err
     assert (folder / "optuna.db").is_file()
     # One line per finished trial, one per cell.
-    assert len(re.findall(r"\] trial \d+ \([123]/3\): (val_acc|pruned|diverged)", first.stdout)) == 12
-    assert first.stdout.count("] best of 3 trials") == 4
+    assert len(re.findall(r"\] trial \d+ \([123]/3\): (val_acc|pruned|diverged)", first)) == 12
+    assert first.count("] best of 3 trials") == 4
     # After each trial and each cell's final runs: the runs done of 4 x (3 trials + 2 seeds x tuned, untuned).
-    done = [int(n) for n in re.findall(r"^tune: (\d+) of 28 runs done \(\d+%\)", first.stdout, re.M)]
+    done = [int(n) for n in re.findall(r"^tune: (\d+) of 28 runs done \(\d+%\)", first, re.M)]
     assert len(done) == 12 + 4 and done == sorted(done) and done[-1] == 28
-    assert re.search(r"^tune: \d+ of 28 runs done \(\d+%\); about \d+ s left$", first.stdout, re.M)
+    assert re.search(r"^tune: \d+ of 28 runs done \(\d+%\); about \d+ s left$", first, re.M)
 
     # Equal budget: every cell has exactly tune.trials finished or pruned trials in the storage.
     trials = trials_in(folder)
@@ -85,7 +86,7 @@ def test_tune_a_tiny_grid_then_the_same_command_runs_nothing_new(tmp_path, capfd
     finals = (folder / "final" / "report.md").read_text()
     assert "## baseline (+tune.final=tuned)" in finals and "## goyal2017 (+tune.final=default)" in finals
 
-    code, out, err = run_main_io(args, capfd)  # in this process: one start less
+    code, out, err = run_main_io(args, capfd)
     assert code == 0, err
     assert trials_in(folder) == trials
     assert "0 new trials, 0 new final runs" in out and "): val_acc" not in out and "runs done" not in out
@@ -113,11 +114,12 @@ def test_tune_a_tiny_grid_then_the_same_command_runs_nothing_new(tmp_path, capfd
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_stopped_tune_exits_with_the_signals_code_and_the_same_command_continues_it(tmp_path, sig):
+def test_a_stopped_tune_exits_with_the_signals_code_and_the_same_command_continues_it(tmp_path, sig, capfd,
+                                                                                    monkeypatch):
     """Told to stop after its first trial (mid-run or between runs), with a helper worker: the signal's exit
     code, its helper stopped with it, no finished trial lost; the same command finishes the grid."""
     folder = tmp_path / "tune"
-    args = ["tune", *TINY, "trainer.epochs=6", "recipe=baseline", "dist.world_size=1,4", "tune.trials=3",
+    args = ["tune", *TINY, "trainer.epochs=3", "recipe=baseline", "dist.world_size=1,4", "tune.trials=3",
             "tune.seeds=1", "tune.workers=2", f"tune.dir={folder}"]
     code, out, err = signal_after_line(args, tmp_path, r"\] trial \d+ \(", sig)
     assert code == 128 + sig and "Traceback" not in err, (code, err)
@@ -127,15 +129,17 @@ def test_a_stopped_tune_exits_with_the_signals_code_and_the_same_command_continu
     complete = {(name, n) for name, states in stopped.items() for n, state in states if state == "COMPLETE"}
     assert complete and not (folder / "tune_summary.json").exists()
 
-    again = lbt_cli(args, cwd=tmp_path, timeout=300)
-    assert again.returncode == 0, again.stderr
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_main_io(args, capfd)  # continued in this process
+    assert code == 0, err
     after = trials_in(folder)
     assert complete <= {(name, n) for name, states in after.items() for n, state in states if state == "COMPLETE"}
     assert all(sum(state == "COMPLETE" for _, state in states) == 3 for states in after.values())
     assert len(json.loads((folder / "tune_summary.json").read_text())["cells"]) == 2
 
 
-@pytest.mark.parametrize("where, state", [("make_spec", "FAIL"), ("record", "COMPLETE")])
+@pytest.mark.parametrize("where, state", [("make_spec", "FAIL"),
+                                          pytest.param("record", "COMPLETE", marks=pytest.mark.slow)])
 def test_a_stop_between_the_tunes_last_look_and_the_next_is_not_lost(tmp_path, capsys, monkeypatch, where, state):
     """SIGTERM (its handler called as the signal would) in the gaps a tune's safe points leave: after
     train_run's look, as the run starts (make_spec), the run stops before its first step (before, the run's
@@ -165,6 +169,7 @@ def test_a_stop_between_the_tunes_last_look_and_the_next_is_not_lost(tmp_path, c
     assert stop_asked() is None
 
 
+@pytest.mark.slow
 def test_a_second_stop_kills_the_helpers_that_do_not_stop(monkeypatch, capsys):
     """A helper that ignores SIGTERM (hung): the tune says it waits, and a second Ctrl-C kills it (before, the
     tune waited for it for ever, and Ctrl-C again did nothing)."""
@@ -234,6 +239,7 @@ def test_fit_exponent_recovers_a_power_law():
     assert [claimed_exponent(rule) for rule in ("none", "sqrt", "linear")] == [0.0, 0.5, 1.0]
 
 
+@pytest.mark.slow
 def test_a_diverged_trial_counts_with_the_worst_value(tmp_path, capsys):
     space = "tune.space={optim.lr: {low: 1000.0, high: 10000.0, log: true}}"  # SGD blows up at any of these
     args = [*TINY, "recipe=baseline", "dist.world_size=1", "tune.trials=2", "tune.seeds=1", space,
@@ -249,6 +255,7 @@ def test_a_diverged_trial_counts_with_the_worst_value(tmp_path, capsys):
     assert stop.value.code == 2 and "other overrides" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_pruned_trial_counts_and_leaves_its_curve(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(optuna.trial.Trial, "should_prune", lambda self: True)
     args = [*TINY, "recipe=baseline", "dist.world_size=1", "tune.trials=2", "tune.seeds=1",

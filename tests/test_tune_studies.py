@@ -124,6 +124,7 @@ def test_trials_stopped_at_the_target_end_there_and_the_fastest_is_the_best(tmp_
         tune([a for a in args if a != "tune.stop_at_target=true"])  # trials that ran whole are another tune
 
 
+@pytest.mark.slow
 def test_a_tune_without_final_runs(tmp_path):
     """tune.seeds=0: the trials alone (steps to a target need no finals), no final run, no test figure."""
     args = [*TINY, "recipe=baseline", "dist.world_size=1", "tune.trials=1", *ALGOPERF[:2], "tune.seeds=0",
@@ -134,6 +135,7 @@ def test_a_tune_without_final_runs(tmp_path):
     assert "were not trained again (tune.seeds=0): no final runs" in (tmp_path / "tune_report.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_final_run_of_other_values_is_refused_not_reused(tmp_path):
     """Trials added to a finished cell (more tune.trials or tune.studies) can choose other values: the finals
     trained for the old ones are neither read back as the new ones' nor overwritten."""

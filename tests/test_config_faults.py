@@ -1,4 +1,4 @@
-"""Faults of the config and the numbers (issue "Faults and bad input", items 2, 9 and 10): a typo'd added key,
+"""Faults of the config and the numbers: a typo'd added key,
 a dotted path to the wrong kind of code, an LR beyond float32, a non-finite validation loss, a device as a
 data file, a sweep of no jobs. Each is one `lbt: error:` line (exit 2) or a run recorded as diverged."""
 

@@ -1,10 +1,13 @@
-"""Checkpoints that cannot be lost and belong to their run (issue 18, sections 2 and 3).
+"""Checkpoints that cannot be lost and belong to their run.
 
 A write failing part-way (a full disk, injected) leaves the previous checkpoint
 usable; a damaged newest checkpoint is found by its checksums and the one
 before is used, ending bitwise equal to the run trained straight; none intact,
 a different run's config, or a fresh start over a checkpoint each end with one
-error and leave the folder as it was. Tiny in-process runs (synthetic data, MLP).
+error and leave the folder as it was; a checkpoint that passes its checksum and cannot load, a damaged
+latest.json, a step damaged a second time and an older format each end in a resume or one line; a full disk
+(a real one, through the command) is one line that leaves the previous checkpoint loadable. Tiny runs
+(synthetic data, MLP), in process but for the command-line ones.
 """
 
 from __future__ import annotations
@@ -12,19 +15,20 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import os
+import resource
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, interrupted, lbt_cli, train
+from conftest import CHECKPOINTED_RUN, FAST, interrupted, lbt_cli, train
 
 import lbt.engine.checkpoint
 from lbt.errors import ConfigError
 
 STEPS_PER_EPOCH = 4  # 256 samples / global batch 64
-RUN = ["model=mlp", "model.hidden=16", "data.num_train=256", "data.num_test=64", "trainer.global_batch=64",
-       "trainer.epochs=4", "trainer.log_every=2", "trainer.evals=0"]
+RUN = CHECKPOINTED_RUN  # 4 epochs; the run trained straight through is `finished_run`
 
 
 def step_folders(run_dir: Path) -> list[str]:
@@ -53,13 +57,10 @@ def assert_same_params(a: Path, b: Path) -> None:
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> Path:
+@pytest.fixture
+def straight(finished_run) -> Path:
     """The run trained without interruption (checkpoints after epochs 1-3, the last two kept)."""
-    run_dir = tmp_path_factory.mktemp("straight") / "run"
-    train(run_dir, RUN)
-    return run_dir
-
+    return finished_run
 
 
 def test_the_last_two_checkpoints_are_kept_each_with_a_manifest(straight):
@@ -99,19 +100,68 @@ def test_a_write_failing_part_way_leaves_the_previous_checkpoint_usable(straight
     assert step_folders(run_dir) == ["step_12", "step_8"]  # the failed write's leftovers are gone
 
 
-def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(straight, tmp_path, capfd):
+def damage(run_dir: Path, step: int) -> None:
+    (run_dir / "checkpoint" / f"step_{step}" / "rank0.pt").write_bytes(b"garbage")
+
+
+@pytest.mark.parametrize("damaged_before", [False, True], ids=["first", "again"])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(straight, tmp_path, capfd, damaged_before):
+    """Found by its checksum, moved aside for inspection (beside an earlier damage of the same step too), the
+    fresh step 12 replaces it."""
     run_dir = interrupted(straight, tmp_path)
     newest = run_dir / "checkpoint" / "step_12" / "rank0.pt"
+    if damaged_before:
+        (run_dir / "checkpoint" / "step_12.damaged").mkdir()
+        (run_dir / "checkpoint" / "step_12.damaged" / "rank0.pt").write_bytes(b"the first damage")
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated by a bad disk
     capfd.readouterr()
     resumed = train(run_dir, RUN + ["trainer.resume=auto"])
     out, err = capfd.readouterr()
-    assert "step_12 is damaged (rank0.pt does not match its checksum)" in err
+    aside = "step_12.damaged.2" if damaged_before else "step_12.damaged"
+    assert ("lbt: note: resuming from checkpoint step_8: step_12 is damaged (rank0.pt does not match its "
+            f"checksum), moved aside to {aside}") in err
     assert "resumed from step 8 " in out
     assert resumed["steps"] == 4 * STEPS_PER_EPOCH
     assert_same_params(straight, run_dir)
-    # The damaged one is kept aside for inspection, the fresh step 12 replaces it.
-    assert step_folders(run_dir) == ["step_12", "step_12.damaged", "step_8"]
+    assert step_folders(run_dir) == sorted({"step_12", "step_8", "step_12.damaged", aside})
+
+
+def test_a_damaged_newest_checkpoint_that_cannot_be_moved_is_skipped(straight, tmp_path, capfd, monkeypatch):
+    """A read-only folder (as root, chmod does not stop us: the rename is refused by hand)."""
+    run_dir = interrupted(straight, tmp_path)
+    damage(run_dir, 12)
+    replace = os.replace
+
+    def read_only(src, dst):
+        if str(dst).endswith(".damaged"):
+            raise OSError(30, "Read-only file system", str(src))
+        return replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", read_only)
+    train(run_dir, RUN + ["trainer.resume=auto"])
+    assert "resuming from checkpoint step_8: step_12 is damaged (rank0.pt does not match its checksum), left in " \
+           "place (Read-only file system)" in capfd.readouterr().err
+    assert_same_params(straight, run_dir)
+
+
+def test_a_damaged_latest_json_is_said_and_the_newest_checkpoint_used(straight, tmp_path, capfd):
+    run_dir = interrupted(straight, tmp_path)
+    (run_dir / "checkpoint" / "latest.json").write_text('{"step": 12, "fol')
+    train(run_dir, RUN + ["trainer.resume=auto"])
+    out = capfd.readouterr()
+    assert "resuming from checkpoint step_12: latest.json is damaged" in out.err and "resumed from step 12" in out.out
+    assert_same_params(straight, run_dir)
+
+
+def test_a_checkpoint_file_that_passes_its_checksum_but_cannot_load_is_one_line(straight, tmp_path):
+    run_dir = interrupted(straight, tmp_path)
+    folder = run_dir / "checkpoint" / "step_12"
+    (folder / "rank0.pt").write_bytes(b"not a torch file")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"]["rank0.pt"] = hashlib.sha256(b"not a torch file").hexdigest()
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError, match=r"checkpoint file .*step_12/rank0.pt cannot be loaded"):
+        train(run_dir, RUN + ["trainer.resume=auto"])
 
 
 def test_no_intact_checkpoint_is_one_error_and_nothing_changes(straight, tmp_path):
@@ -152,28 +202,64 @@ def test_a_fresh_start_over_a_checkpoint_is_refused(straight, tmp_path):
     assert same_snapshot(snapshot(run_dir), before)
 
 
-def test_a_checkpoint_of_the_previous_format_is_a_one_line_error(tmp_path):
+@pytest.mark.parametrize("latest, older", [({}, 1), ({"format": 2}, 2)], ids=["no_format_key", "format_2"])
+def test_a_checkpoint_of_an_older_format_is_a_one_line_error(tmp_path, latest, older):
     (tmp_path / "checkpoint" / "step_8").mkdir(parents=True)
     (tmp_path / "checkpoint" / "latest.json").write_text(
-        json.dumps({"step": 8, "folder": "step_8", "procs": 1, "format": 2}))
-    with pytest.raises(ConfigError, match="format 2 of an older lbt"):
+        json.dumps({"step": 8, "folder": "step_8", "procs": 1, **latest}))
+    with pytest.raises(ConfigError, match=f"format {older} of an older lbt"):
         lbt.engine.checkpoint.Checkpointer(tmp_path, 0, 1).load_latest()
 
 
+def checkpointed(finished: Path, tmp_path: Path) -> Path:
+    """The finished run with only its first kept checkpoint (step 8): the one the disk-full run must keep."""
+    run_dir = interrupted(finished, tmp_path)
+    shutil.rmtree(run_dir / "checkpoint" / "step_12")
+    (run_dir / "checkpoint" / "latest.json").write_text(json.dumps(
+        {"step": 8, "folder": "step_8", "procs": 1, "format": lbt.engine.checkpoint.FORMAT}))
+    return run_dir
+
+
+def file_size_limit(limit: int):
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
 @pytest.mark.slow
-def test_refusals_are_one_line_from_the_command_line_with_two_processes(tmp_path):
+def test_a_full_disk_is_one_line_not_retried_and_the_previous_checkpoint_still_loads(straight, tmp_path, capfd):
+    """RLIMIT_FSIZE: a file past 16 KiB fails with EFBIG ("File too large"), as a full disk fails a write;
+    a checkpoint is about 28 KiB, the logs and Hydra's files less."""
+    run_dir = checkpointed(straight, tmp_path)
+    args = ["train", *FAST, *RUN, "dist.max_restarts=2", "trainer.resume=auto", f"hydra.run.dir={run_dir}"]
+    full = lbt_cli(args, tmp_path, timeout=120, preexec_fn=file_size_limit(16 << 10))
+    errors = [line for line in full.stderr.splitlines() if line.startswith("lbt: error:")]
+    assert full.returncode == 2 and len(errors) == 1 and "File too large" in errors[0], full.stderr
+    assert "the checkpoint at step 8 is still the latest" in errors[0] and "Traceback" not in full.stderr
+    assert "restarting" not in full.stderr
+    assert sorted(p.name for p in (run_dir / "checkpoint").iterdir()) == ["latest.json", "step_8"]  # no partial
+    capfd.readouterr()
+    train(run_dir, [*RUN, "dist.max_restarts=2", "trainer.resume=auto"])  # the disk has room again
+    assert "resumed from step 8" in capfd.readouterr().out
+    assert_same_params(straight, run_dir)
+
+
+@pytest.mark.slow
+def test_refusals_are_one_line_from_the_command_line_with_two_processes(tmp_path, capfd, monkeypatch):
     """What a user sees: exit code 2, one `lbt: error:` line, the run folder untouched (P=2: rank 0 checks
-    the checkpoint and tells rank 1)."""
+    the checkpoint and tells rank 1). `lbt train` in this process; its exit code as a process is
+    tests/test_cli_errors.py's."""
+    from test_cli_errors import run_main
+
+    monkeypatch.chdir(tmp_path)
     args = ["train", *FAST, *RUN, "trainer.epochs=2", "dist.world_size=2", "dist.procs=2",
             f"hydra.run.dir={tmp_path / 'run'}"]
-    first = lbt_cli(args, tmp_path, timeout=180)
-    assert first.returncode == 0, first.stderr
+    code, err = run_main(args, capfd)
+    assert code == 0, err
     before = snapshot(tmp_path / "run")
     for extra, expected in [([], "holds this run, finished (8 steps): nothing to do"),
                             (["trainer.resume=auto", "dist.world_size=4"], "dist.world_size (2 -> 4)")]:
-        refused = lbt_cli(args + extra, tmp_path, timeout=180)
-        lines = [line for line in refused.stderr.splitlines() if line.strip() and not line.startswith("lbt: note:")]
-        assert refused.returncode == 2 and len(lines) == 1 and lines[0].startswith("lbt: error:"), refused.stderr
+        code, err = run_main(args + extra, capfd)
+        lines = [line for line in err.splitlines() if line.strip() and not line.startswith("lbt: note:")]
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("lbt: error:"), err
         assert expected in lines[0]
         assert same_snapshot(snapshot(tmp_path / "run"), before)  # refused before Hydra writes its .hydra/ config
 

@@ -1,4 +1,4 @@
-"""A study is one thing you can stop and continue (DESIGN.md "A study is one thing"); a run folder belongs to one run.
+"""A study is one thing you can stop and continue; a run folder belongs to one run.
 
 Ctrl-C stops every job with a checkpoint and gives no answer; the same command continues the study to
 the parameters of an uninterrupted one, never rerunning or rewriting a finished job; another grid
@@ -23,7 +23,7 @@ from lbt.errors import ConfigError
 
 # Long enough (a few seconds a job on 2 cores) for Ctrl-C, sent at a job's first checkpoint (end of epoch 1),
 # to land mid-run; BN-free, so resumes are bitwise.
-STUDY = ["study", "model=mlp", "data=synthetic", "recipe=baseline,lars", "dist.world_size=1,4", "trainer.epochs=40",
+STUDY = ["study", "model=mlp", "data=synthetic", "recipe=baseline,lars", "dist.world_size=1,4", "trainer.epochs=20",
          "trainer.device=cpu"]  # one device for the study and the straight runs it is compared with
 
 

@@ -1,8 +1,8 @@
-"""Optimizers and schedules past LARS/LAMB (issue 30): Muon with AdamW, SOAP, schedule-free AdamW/SGD, WSD.
+"""Optimizers and schedules past LARS/LAMB: Muon with AdamW, SOAP, schedule-free AdamW/SGD, WSD.
 
 Muon's split and its step against torch's own classes; WSD's LR at its phase boundaries; schedule-free's
 evaluation on the averaged weights (in the loop too); bad input as one line. Resume exactness is in
-test_resume_matrix.py, real == simulated workers under Muon at the end of this file.
+test_resume_matrix.py, real == simulated workers under Muon in test_real_equals_simulated.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import schedulefree
 import torch
-from conftest import FAST, compose_config, final_params, one_gloo_process, relative_diff, train
+from conftest import FAST, compose_config, one_gloo_process
 from test_cli_errors import run_main
 from torch import nn
 
@@ -335,19 +335,3 @@ def test_optimizers_that_do_not_step_on_shards_refuse_split_layers():
 
     with one_gloo_process():
         check()
-
-
-# --- real == simulated under Muon -------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-def test_muon_real_processes_equal_simulated_workers(tmp_path):
-    """BN-free mlp, W=2: two gloo processes, two simulated workers on one, and W=1 at batch 64."""
-    common = ["model=mlp", "optim=muon", "data.num_train=640", "trainer.epochs=1", "trainer.evals=0"]
-    w2 = ["dist.world_size=2", "trainer.global_batch=64"]
-    real = train(tmp_path / "real", common + w2 + ["dist.procs=2"])
-    train(tmp_path / "sim", common + w2 + ["dist.procs=1"])
-    train(tmp_path / "single", common + ["dist.world_size=1", "trainer.per_worker_batch=64"])
-    assert real["steps"] == 10 and real["procs"] == 2
-    a, b, c = (final_params(tmp_path / name) for name in ("real", "sim", "single"))
-    assert relative_diff(a, b) < 1e-5 and relative_diff(a, c) < 1e-5
