@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-from conftest import FAST, final_params, lbt_cli, relative_diff
+from conftest import FAST, final_params, relative_diff
 
 from lbt.parallel.launcher import _cause, launch_local
 from lbt.parallel.stop import forget_stop
@@ -37,10 +37,14 @@ def read_result(run_dir: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_torchrun_matches_local_launcher(tmp_path):
-    local = lbt_cli(["train", *RUN, "dist.world_size=2", "dist.procs=2", f"hydra.run.dir={tmp_path / 'local'}"],
-                    tmp_path)
-    assert local.returncode == 0, local.stderr
+def test_torchrun_matches_local_launcher(tmp_path, capfd, monkeypatch):
+    """torchrun starts `lbt train` unchanged; the local launcher's run is started in this process."""
+    from test_cli_errors import run_main
+
+    monkeypatch.chdir(tmp_path)
+    code, err = run_main(["train", *RUN, "dist.world_size=2", "dist.procs=2", f"hydra.run.dir={tmp_path / 'local'}"],
+                         capfd)
+    assert code == 0, err
     port = free_port()
     job = torchrun(
         ["--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",

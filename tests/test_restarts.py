@@ -51,9 +51,17 @@ def sigkill_at(step: int, rank: int, marker: Path | None = None) -> list[str]:
             f"+technique.sigkill.rank={rank}", f"+technique.sigkill.marker={marker or 'null'}"]
 
 
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory) -> Path:
+    """RUN trained without interruption (the run each restarted one must equal)."""
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    train(run_dir, RUN)
+    return run_dir
+
+
 @pytest.mark.slow
-def test_a_sigkilled_worker_is_restarted_and_the_run_equals_an_uninterrupted_one(tmp_path, capfd):
-    straight = train(tmp_path / "straight", RUN)
+def test_a_sigkilled_worker_is_restarted_and_the_run_equals_an_uninterrupted_one(straight_run, tmp_path, capfd):
+    straight = json.loads((straight_run / "result.json").read_text())
     restarted = train(tmp_path / "run", RUN + ["dist.max_restarts=1", *sigkill_at(KILL_AT, 1, tmp_path / "killed")])
     err = capfd.readouterr().err
     assert (tmp_path / "killed").exists()  # the worker really died
@@ -61,7 +69,7 @@ def test_a_sigkilled_worker_is_restarted_and_the_run_equals_an_uninterrupted_one
     assert restarted["restarts"] == [{"rank": 1, "how": "killed by signal SIGKILL", "step": KILL_AT,
                                       "resumed_from_step": STEPS_PER_EPOCH}]
     assert restarted["steps"] == straight["steps"] == 3 * STEPS_PER_EPOCH
-    a = torch.load(tmp_path / "straight" / "final_model.pt", weights_only=True)
+    a = torch.load(straight_run / "final_model.pt", weights_only=True)
     b = torch.load(tmp_path / "run" / "final_model.pt", weights_only=True)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     for key in ("final_train_loss", "final_test_loss", "final_test_acc", "test_history"):
@@ -92,10 +100,10 @@ def test_a_config_error_in_a_worker_is_not_retried(tmp_path, capfd):
 
 
 @pytest.mark.slow
-def test_torchrun_max_restarts_resumes_by_itself(tmp_path):
+def test_torchrun_max_restarts_resumes_by_itself(straight_run, tmp_path):
     """Under torchrun --max-restarts the agent restarts the workers; lbt sees TORCHELASTIC_RESTART_COUNT
     and continues from the run folder's checkpoint."""
-    straight = train(tmp_path / "straight", RUN)
+    straight = json.loads((straight_run / "result.json").read_text())
     tests_dir = str(Path(__file__).resolve().parent)
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))}
@@ -115,6 +123,6 @@ def test_torchrun_max_restarts_resumes_by_itself(tmp_path):
     assert result["restarts"] == [{"by": "torchrun --max-restarts", "restarts": 1}]
     assert f"resumed from step {STEPS_PER_EPOCH} " in job.stdout
     assert result["steps"] == straight["steps"]
-    a = torch.load(tmp_path / "straight" / "final_model.pt", weights_only=True)
+    a = torch.load(straight_run / "final_model.pt", weights_only=True)
     b = torch.load(run_dir / "final_model.pt", weights_only=True)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -24,7 +24,8 @@ import time
 
 import pytest
 import torch.distributed as dist
-from conftest import CHECKPOINTED_RUN, FAST, compose_config, interrupted, lbt_cli, signal_after_line, train
+from conftest import CHECKPOINTED_RUN, FAST, compose_config, interrupted, signal_after_line, train
+from test_cli_errors import run_main_io
 
 from lbt.engine import make_spec
 from lbt.errors import ConfigError
@@ -144,7 +145,7 @@ def test_a_config_error_in_every_worker_is_rank_0s_one_line_when_another_rank_re
 # -- checkpoint fallback is total -------------------------------------------------------------------
 # -- a stop at any moment ---------------------------------------------------------------------------
 @pytest.mark.slow
-def test_sigterm_in_the_first_second_is_a_stop_and_a_rerun_finishes(tmp_path):
+def test_sigterm_in_the_first_second_is_a_stop_and_a_rerun_finishes(tmp_path, capfd, monkeypatch):
     """While numpy, torch and Hydra import: a SIGTERM there once left a half-imported numpy and a traceback.
 
     Each signal is timed from the moment lbt's first module has imported (`-X importtime` says when on
@@ -165,12 +166,13 @@ def test_sigterm_in_the_first_second_is_a_stop_and_a_rerun_finishes(tmp_path):
         said = re.fullmatch(r"lbt: stopped \(SIGTERM\); rerun the same command( with trainer.resume=auto)? to continue",
                             err.strip())
         assert job.returncode == 143 and said, (delay, err)
-    rerun = subprocess.run(args[:1] + args[3:], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert rerun.returncode == 0 and "done:" in rerun.stdout, rerun.stderr
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main_io(args[5:], capfd)  # `lbt train ...` again, in this process
+    assert code == 0 and "done:" in out, err
 
 
 @pytest.mark.slow
-def test_sigterm_while_the_workers_start_is_a_stop_never_a_restart(tmp_path):
+def test_sigterm_while_the_workers_start_is_a_stop_never_a_restart(tmp_path, capfd, monkeypatch):
     args = ["train", *FAST, *RUN, "trainer.epochs=8", "dist.world_size=2", "dist.procs=2", "dist.max_restarts=2",
             "trainer.progress=false", f"hydra.run.dir={tmp_path / 'run'}"]
     # the workers' start line: the first step has not run
@@ -180,8 +182,9 @@ def test_sigterm_while_the_workers_start_is_a_stop_never_a_restart(tmp_path):
                      err)
     assert said and "Traceback" not in err, err
     again = args + (["trainer.resume=auto"] if said.group(1) else [])
-    rerun = lbt_cli(again, tmp_path)
-    assert rerun.returncode == 0 and "done:" in rerun.stdout, rerun.stderr
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main_io(again, capfd)  # in this process
+    assert code == 0 and "done:" in out, err
 
 
 # -- dist.fuse_workers is part of the run -----------------------------------------------------------
