@@ -247,8 +247,8 @@ def study_of(folder):
 
 
 def test_from_study_takes_the_runs_recipe_answer(tmp_path, capsys):
-    """The issue's case: a baseline run planned with a study whose answer for baseline is 2 GPUs and whose
-    best recipe (lars) goes to 8: the plan's largest safe W is baseline's 2, as the study says."""
+    """A run's own recipe's answer, not the best recipe's: a baseline run planned with a study whose answer for
+    baseline is 2 GPUs and whose best recipe (lars) goes to 8: the plan's largest safe W is baseline's 2."""
     study = study_of(tmp_path / "study")
     config = {"model": MLP, "data": {"_target_": "lbt.data.build_synthetic", "num_train": 4096, "input_shape": [40],
                                      "num_classes": 10}}
