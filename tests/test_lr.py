@@ -62,6 +62,19 @@ def test_decay_starts_where_warmup_ends():
     assert lr_at(6000, schedule(decay="constant")) == pytest.approx(1.6)
 
 
+def test_a_branch_holds_its_start_lr_or_cools_down_from_it_linearly():
+    follow = schedule()
+    held = schedule(branch_lr="hold", branch_from=6000, branch_samples=2000)
+    assert lr_at(5000, held) == lr_at(5000, follow)  # before the branch: the base run's schedule
+    assert lr_at(6000, held) == lr_at(9000, held) == pytest.approx(0.8)  # no decay after it
+    cool = schedule(branch_lr="cooldown", branch_from=6000, branch_samples=2000)
+    assert [lr_at(t, cool) for t in (6000, 7000, 8000, 9000)] == pytest.approx([0.8, 0.4, 0.0, 0.0])
+    # The rewarm to a larger batch's LR still applies over the branch's first samples.
+    rewarm = schedule(branch_lr="hold", branch_from=6000, branch_samples=2000, rewarm_from=6000,
+                      rewarm_samples=400, rewarm_start=0.5)
+    assert lr_at(6000, rewarm) == pytest.approx(0.4) and lr_at(6400, rewarm) == pytest.approx(0.8)
+
+
 def test_no_warmup_starts_at_the_peak():
     s = schedule(warmup_samples=0, decay="poly", power=1.0, total_samples=1000)
     assert lr_at(0, s) == pytest.approx(1.6)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import final_params, signal_after_line, train
 from test_cli_errors import run_main, run_main_io
+from test_techniques import scalars
 
 BASE = ["model=mlp", "trainer.per_worker_batch=8", "trainer.epochs=4", "optim.lr=0.05"]  # 512 samples: 64 steps/epoch
 
@@ -45,6 +46,22 @@ def test_a_branch_past_its_loss_limit_stops_as_diverged(tmp_path):
     wild = branch(tmp_path, base, "wild", 256, 1024, ["dist.world_size=8", "optim.lr=500", "trainer.log_every=1"])
     result = json.loads((wild / "result.json").read_text())
     assert result["diverged"] and result["samples_seen"] < 256 + 1024
+
+
+@pytest.mark.slow
+def test_a_late_branch_counts_divergence_from_the_base_runs_first_loss_not_its_own(tmp_path):
+    """Late in training a branch's first minibatch loss can be a tenth of an ordinary one; a rule counted
+    from it (here 1.01x, three log steps in a row) stopped healthy branches as diverged."""
+    base = base_run(tmp_path, [1536])
+    late = branch(tmp_path, base, "late", 1536, 512, ["trainer.diverge_factor=1.01", "trainer.log_every=1"])
+    result = json.loads((late / "result.json").read_text())
+    assert not result["diverged"] and result["samples_seen"] == 1536 + 512
+    first = torch.load(base / "snapshots" / "samples_1536.pt", weights_only=True)["loop"]["initial_loss"]
+    assert f"(the first step's: {first:.4g})" not in (late / "train.log").read_text()
+    # A held branch keeps the LR it starts at (after the rewarm: the same batch here, so from its first step).
+    held = branch(tmp_path, base, "held", 1536, 256, ["trainer.branch_lr=hold", "trainer.log_every=1"])
+    lrs = {value for _, value in scalars(held, "train/lr")}
+    assert len(lrs) == 1 and lrs != {value for _, value in scalars(late, "train/lr")}
 
 
 @pytest.mark.slow

@@ -13,8 +13,12 @@ that starts from a snapshot instead of from scratch:
   first REWARM of the branch's samples;
 - the data after the snapshot: the rest of the same epoch's order at the branch's batch (the probe puts
   snapshots where every probed batch has a step boundary), then the next epochs;
+- its LR after the start (`trainer.branch_lr`): the base run's schedule on (follow), frozen (hold: the
+  batch measured without the decay that follows, which would hide its difference), or a linear cooldown
+  to 0 over the branch (the end of a shorter run, Haegele et al. 2024);
 - evaluations at `trainer.evals` points evenly spaced over the branch, and its end;
-- it stops, counted as diverged, when its train loss (logged every step) passes `trainer.branch_diverge` x
+- the divergence rule of every run counts from the base run's first loss; and it also stops, counted as
+  diverged, when its train loss (logged every step) passes `trainer.branch_diverge` x
   the val loss the base run had at the snapshot, and chance level (log of the classes): late in training
   one batch's loss can be several times the val loss without anything having gone wrong.
 """
@@ -29,7 +33,7 @@ from lbt.engine.checkpoint import full_state, load_buffers, load_model_and_optim
 from lbt.engine.step import LoopState
 from lbt.errors import ConfigError
 from lbt.spec.batching import make_budget
-from lbt.spec.lr import lr_at
+from lbt.spec.lr import BranchLR, lr_at
 
 if TYPE_CHECKING:
     from lbt.engine.trainer import Trainer
@@ -52,7 +56,7 @@ def take_snapshot(trainer: Trainer, run_dir: str) -> None:
         save_snapshot(run_dir, s.samples_seen, state)
 
 
-def start_branch(trainer: Trainer, snapshot: dict, samples: int, diverge: float) -> None:
+def start_branch(trainer: Trainer, snapshot: dict, samples: int, diverge: float, lr: BranchLR = "follow") -> None:
     """Set the trainer to continue `snapshot` for `samples` samples at its own batch (see the module)."""
     load_model_and_optimizer(trainer.model, trainer.optimizer, snapshot, trainer.ctx)
     load_buffers(trainer.model, snapshot["buffers"])
@@ -72,9 +76,12 @@ def start_branch(trainer: Trainer, snapshot: dict, samples: int, diverge: float)
     at = base.samples_seen
     ratio = lr_at(at, replace(branch_lr, global_batch=snapshot["global_batch"])) / max(lr_at(at, branch_lr), 1e-30)
     trainer.schedule = replace(branch_lr, rewarm_from=at, rewarm_samples=round(REWARM * samples),
-                               rewarm_start=min(1.0, ratio))
+                               rewarm_start=min(1.0, ratio), branch_lr=lr, branch_from=at, branch_samples=samples)
     evals = trainer.settings.evals
     trainer.eval_steps = frozenset(start + max(1, round(steps * i / evals)) for i in range(1, evals + 1))
-    trainer.state = LoopState(step=start, samples_seen=at, epoch=epoch, step_in_epoch=offset // layout.global_batch)
+    # The divergence rule's level is the base run's first loss, not the branch's: late in training one
+    # minibatch's loss can be a tenth of the next one's, and a branch's first would trip 10x on ordinary steps.
+    trainer.state = LoopState(step=start, samples_seen=at, epoch=epoch, step_in_epoch=offset // layout.global_batch,
+                              initial_loss=base.initial_loss)
     classes = trainer.data.num_classes
     trainer.diverge_above = max(diverge * float(snapshot["point"]["loss"]), math.log(classes) if classes else 0.0)

@@ -358,7 +358,8 @@ def make_trainer(spec: RunSpec, ctx: pg.DistContext, run_dir: str, local_procs: 
         trainer.say(f"resumed from step {trainer.state.step} (epoch {trainer.state.epoch + 1}) in {run_dir}")
     elif t.branch_from is not None:
         assert t.branch_at is not None and t.branch_samples is not None  # TrainerSpec.check: all three or none
-        start_branch(trainer, load_snapshot(t.branch_from, t.branch_at), t.branch_samples, t.branch_diverge)
+        start_branch(trainer, load_snapshot(t.branch_from, t.branch_at), t.branch_samples, t.branch_diverge,
+                     t.branch_lr)
     if t.snapshot_samples:
         trainer.snapshot = lambda: take_snapshot(trainer, run_dir)
     return trainer

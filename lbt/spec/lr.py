@@ -11,7 +11,8 @@ needs no scheduler state.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Literal
 
 from lbt.errors import ConfigError
 from lbt.spec.batching import Budget
@@ -22,6 +23,8 @@ WEIGHT_DECAY_SCALINGS = ("none", "timescale")
 WARMUP_MODES = ("linear", "constant")
 # linear and 1-sqrt: the decay of a warmup-stable-decay schedule (schedule=wsd), over the last decay_fraction
 DECAYS = ("constant", "cosine", "poly", "step", "linear", "1-sqrt")
+# A probe branch's LR from where it starts: the base run's schedule on, frozen there, or from there linearly to 0.
+BranchLR = Literal["follow", "hold", "cooldown"]
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,10 @@ class Schedule:
     rewarm_from: int = 0
     rewarm_samples: int = 0
     rewarm_start: float = 1.0
+    # A probe branch from `branch_from` samples: its LR shape after that (see BranchLR), over `branch_samples`.
+    branch_lr: BranchLR = "follow"
+    branch_from: int = 0
+    branch_samples: int = 0
     # The decay runs over the last decay_fraction of the run (not before warmup ends); the LR holds its peak
     # until then. 1: all of the run after warmup. Warmup-stable-decay (schedule=wsd) takes e.g. 0.2.
     decay_fraction: float = 1.0
@@ -146,6 +153,13 @@ def lr_at(samples_seen: float, s: Schedule, global_batch: int | None = None) -> 
                   final_factor x peak at total_samples
         drops   : x multiplier from each (samples, multiplier) reached         (step decay, Smith 2017 ramp)
     """
+    if s.branch_lr != "follow" and samples_seen >= s.branch_from:
+        # A branch measured without the decay the base run would take next (hold), or a short cooldown from
+        # there that stands in for a shorter run's end (Haegele et al. 2024).
+        lr = lr_at(s.branch_from, replace(s, branch_lr="follow", rewarm_samples=0), global_batch)
+        if s.branch_lr == "cooldown":
+            lr *= max(0.0, 1.0 - (samples_seen - s.branch_from) / max(s.branch_samples, 1))
+        return rewarmed(lr, samples_seen, s)
     peak = s.base_lr * scaling_factor(global_batch or s.global_batch, s.base_batch, s.scaling)
     if samples_seen < s.warmup_samples:
         start = min(s.base_lr, peak) if s.warmup_start is None else s.warmup_start * peak
@@ -172,6 +186,10 @@ def lr_at(samples_seen: float, s: Schedule, global_batch: int | None = None) -> 
     for at, multiplier in s.drops:
         if samples_seen >= at:
             lr *= multiplier
+    return rewarmed(lr, samples_seen, s)
+
+
+def rewarmed(lr: float, samples_seen: float, s: Schedule) -> float:
     if s.rewarm_from <= samples_seen < s.rewarm_from + s.rewarm_samples:
         lr *= s.rewarm_start + (1.0 - s.rewarm_start) * (samples_seen - s.rewarm_from) / s.rewarm_samples
     return lr

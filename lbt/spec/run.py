@@ -15,11 +15,11 @@ import difflib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, get_args
 
 from lbt.errors import ConfigError
 from lbt.spec.batching import DEFAULT_PER_WORKER_BATCH, BatchLayout, auto_tensor_parallel, batch_layout
-from lbt.spec.lr import ScheduleSpec
+from lbt.spec.lr import BranchLR, ScheduleSpec
 from lbt.spec.targets import Target, target_of
 from lbt.spec.validate import integer, number, one_of
 
@@ -30,6 +30,7 @@ MAX_THREADS = 1024
 MAX_LOADER_WORKERS = 256
 # dist.shard: none keeps the whole model on every data-parallel rank (DDP); fsdp shards it (lbt/parallel/fsdp.py).
 SHARDS = ("none", "fsdp")
+BRANCH_LR = get_args(BranchLR)
 
 
 @dataclass(frozen=True)
@@ -65,12 +66,14 @@ class TrainerSpec:
     # lbt probe (lbt/apps/probe): the base run saves its whole state at these samples seen, which does not
     # change the run; a branch starts from such a snapshot of the run in `branch_from` at `branch_at` samples,
     # trains `branch_samples` more at its own batch, and stops early (diverged) when its train loss passes
-    # `branch_diverge` x the val loss it started from.
+    # `branch_diverge` x the val loss it started from. `branch_lr`: the branch's LR follows the base run's
+    # schedule, holds the value it starts at, or cools down from it linearly to 0 over the branch.
     snapshot_samples: tuple[int, ...] = ()
     branch_from: str | None = None
     branch_at: int | None = None
     branch_samples: int | None = None
     branch_diverge: float = 3.0
+    branch_lr: BranchLR = "follow"
 
     def check(self) -> TrainerSpec:
         """Range checks the schema's types cannot express."""
@@ -96,6 +99,7 @@ class TrainerSpec:
             integer("trainer.branch_at", self.branch_at)
             integer("trainer.branch_samples", self.branch_samples)
         number("trainer.branch_diverge", self.branch_diverge, low=1, low_open=True)
+        one_of("trainer.branch_lr", self.branch_lr, BRANCH_LR)
         if self.diverge_factor is not None:
             number("trainer.diverge_factor", self.diverge_factor, low=1, low_open=True)
         integer("trainer.diverge_log_steps", self.diverge_log_steps, 1, 1000)
