@@ -367,3 +367,21 @@ def test_train_two_steps_from_an_image_folder(tmp_path):
         "model=torchvision", "model.name=resnet18", "trainer.global_batch=4",
     ])
     assert result["global_batch"] == 4
+
+
+def _batches_read_by_a_loader_worker() -> list[int]:
+    from torch.utils.data import TensorDataset
+
+    from lbt.data.batches import eval_batches
+
+    dataset = TensorDataset(torch.arange(10.0).unsqueeze(1), torch.arange(10))
+    return [int(y.sum()) for _, y in eval_batches(dataset, 0, 1, 4, torch.device("cpu"), 1, torch.contiguous_format)]
+
+
+@pytest.mark.slow
+def test_loader_workers_start_inside_a_joblib_worker():
+    """hydra/launcher=local_parallel runs each job in a joblib (loky) worker, whose default start method
+    DataLoader's workers cannot use: every job of a sweep on a file-backed dataset (data=tokens) failed."""
+    from joblib import Parallel, delayed
+
+    assert Parallel(n_jobs=2)(delayed(_batches_read_by_a_loader_worker)() for _ in range(2)) == [[6, 22, 17]] * 2

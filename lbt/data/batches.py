@@ -8,7 +8,9 @@ samples at the same step.
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
+from multiprocessing.context import BaseContext
 from typing import Iterator
 
 import torch
@@ -17,6 +19,15 @@ from torch.utils.data import DataLoader, Dataset
 from lbt.data.base import InMemoryDataset
 from lbt.data.sampling import shard_indices
 from lbt.spec.batching import BatchLayout
+
+
+def worker_context() -> BaseContext | None:
+    """How DataLoader starts its workers: the default, unless this process is itself a joblib (loky) worker
+    (hydra/launcher=local_parallel), whose default start method is loky's, which DataLoader's workers cannot
+    use ("'Process' object has no attribute 'env'"); then the platform's own."""
+    if type(multiprocessing.get_context()).__module__.startswith("multiprocessing"):
+        return None
+    return multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
 
 
 def loader_workers(requested: int | None, local_procs: int) -> int:
@@ -86,6 +97,7 @@ class StepBatches:
                 num_workers=self.num_workers,
                 pin_memory=self.device.type == "cuda",
                 persistent_workers=self.num_workers > 0,
+                multiprocessing_context=worker_context() if self.num_workers else None,
             )
         return self._loader
 
@@ -136,7 +148,8 @@ def _share_batches(dataset: Dataset, rank: int, procs: int, batch: int, device: 
             yield inputs, y[start : start + batch].to(device)
         return
     subset = torch.utils.data.Subset(dataset, range(rank, len(dataset), procs))
-    loader = DataLoader(subset, batch_size=batch, num_workers=num_workers, pin_memory=device.type == "cuda")
+    loader = DataLoader(subset, batch_size=batch, num_workers=num_workers, pin_memory=device.type == "cuda",
+                        multiprocessing_context=worker_context() if num_workers else None)
     for inputs, labels in loader:
         inputs = inputs.to(device, non_blocking=True).contiguous(memory_format=memory_format)
         yield inputs, labels.to(device, non_blocking=True)
