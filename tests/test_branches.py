@@ -33,12 +33,14 @@ def test_nothing_failed_is_a_lower_bound_not_an_answer():
     assert (verdict.held, verdict.failed, verdict.batch) == (4 * B0, None, None)
 
 
-def test_noise_floor_of_two_branches_is_their_difference_and_robust_to_a_spike():
+def test_noise_floor_is_never_zero_while_the_seeds_differ_and_four_shrug_off_a_spike():
     assert rules.noise_floor([0.90, 0.88], ACC) == pytest.approx(2.0)  # points
     assert rules.noise_floor([2.10, 2.13], LOSS) == pytest.approx(0.03)  # nats
-    # Three seeds, one spiking: twice the median absolute deviation ignores the spike.
-    assert rules.noise_floor([2.10, 2.11, 9.0], LOSS) == pytest.approx(0.02)
-    assert rules.noise_floor([2.10, 2.11, 2.12, 9.0], LOSS) == pytest.approx(0.02)
+    # Two of three coincide: the median absolute deviation would say 0; the floor is their range.
+    assert rules.noise_floor([0.7715, 0.7715, 0.7607], ACC) == pytest.approx(1.08)
+    assert rules.noise_floor([2.10, 2.11, 9.0], LOSS) == pytest.approx(6.9)  # three cannot tell a spike
+    assert rules.noise_floor([2.10, 2.11, 2.12, 9.0], LOSS) == pytest.approx(0.02)  # four can: Q_n
+    assert rules.noise_floor([2.10, 2.11, 2.12, 2.12, 2.15, 9.0], LOSS) == pytest.approx(0.02)
     assert rules.noise_floor([2.1, math.nan], LOSS) == math.inf
 
 
@@ -107,3 +109,52 @@ def test_batch_schedule_doubles_when_the_critical_batch_reaches_twice_the_batch(
 def test_reference_is_the_median_of_the_k1_branches():
     assert rules.reference_value([0.818, 0.833, 0.835]) == pytest.approx(0.833)
     assert math.isnan(rules.reference_value([math.nan]))
+
+
+# --- from branches to the answer for the budget ----------------------------------------------------------
+
+def mccandlish(k: int, noise_scale: float) -> float:
+    return rules.model_ratio(k * B0, B0, noise_scale)
+
+
+FACTORS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def test_a_saturated_metric_forgives_a_lag_that_a_still_falling_loss_does_not():
+    """Accuracy flat from 1,000 samples on forgives a lag of 32x the samples; a loss still falling 0.1 nats
+    per doubling of the budget forgives less than 1.41x."""
+    budget = 50_000
+    ratios = {k: mccandlish(k, 64.0) for k in FACTORS}  # r(k) = (1 + k) / 2: 32.5 at 64, 64.5 at 128
+    flat = [(500, 0.50), (1000, 0.95), (10_000, 0.95), (budget, 0.95)]
+    shortfalls = rules.budget_shortfalls(ratios, flat, budget, ACC)
+    # E / r(k) stays at or above 1,000 samples up to k = 64 (1,538); at 128 (775) accuracy has not risen yet.
+    assert all(shortfalls[k] == pytest.approx(0.0, abs=1e-9) for k in FACTORS if k <= 64)
+    assert shortfalls[128] > 1.0 and rules.largest_within(shortfalls, 1.0) == 64
+    ratios = {k: mccandlish(k, 640.0) for k in FACTORS}  # r(4) = 1.27, r(8) = 1.64
+    falling = [(s, 3.0 - 0.1 * math.log2(s / 1000)) for s in (1000, 10_000, budget)]
+    shortfalls = rules.budget_shortfalls(ratios, falling, budget, LOSS)
+    for k in FACTORS:  # the slope times the lag: 0.1 nats per doubling of r
+        assert shortfalls[k] == pytest.approx(0.1 * math.log2(ratios[k]))
+    assert rules.largest_within(shortfalls, 0.05) == 4  # within 0.05 nats while r <= sqrt(2)
+
+
+def test_a_diverged_factor_ends_the_answer_below_it_whatever_the_curve_says():
+    shortfalls = {k: 0.0 for k in FACTORS}
+    assert rules.largest_within(shortfalls, 1.0) == 128
+    assert rules.largest_within(shortfalls, 1.0, frozenset({16})) == 8
+    assert rules.largest_within({1: 0.0, 2: math.nan, 4: 0.0}, 1.0) == 1  # unknown is not within
+
+
+def test_checkpoints_combine_by_the_share_of_training_each_stands_for():
+    weights = rules.phase_weights([20_000, 50_000], 100_000)
+    assert weights == pytest.approx([0.5, 0.5])  # the first from the start to the second, the last to the end
+    combined = rules.combined_ratios([{2: 1.2, 4: 2.0}, {2: 1.0, 4: 1.2, 8: 2.0}], weights)
+    assert combined == pytest.approx({2: 1.1, 4: 1.6})  # only factors every checkpoint measured
+
+
+def test_the_budget_curve_interpolates_in_log_samples_and_extrapolates_below():
+    points = [(1000, 0.90), (4000, 0.96), (16_000, 0.98)]
+    assert rules.budget_value(points, 2000) == pytest.approx(0.93)
+    assert rules.budget_value(points, 16_000) == pytest.approx(0.98)
+    assert rules.budget_value(points, 500) == pytest.approx(0.87)  # the first segment's slope continued
+    assert math.isnan(rules.budget_value([], 10))

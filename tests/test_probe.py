@@ -80,7 +80,7 @@ def test_a_branch_off_the_step_grid_or_without_its_snapshot_is_one_line(tmp_path
     assert code == 2 and "no snapshot" in err and "Traceback" not in err
 
 
-PROBE = ["data=synthetic", "trainer.device=cpu", *BASE, "probe.max_factor=8", "probe.checkpoints=3"]
+PROBE = ["data=synthetic", "trainer.device=cpu", *BASE, "probe.max_factor=8", "probe.checkpoints=3", "probe.seeds=2"]
 # Half of it, for the tests that stop a probe among its branches and continue it: rounds at 1x, 2x and 4x.
 SHORT_PROBE = ["data=synthetic", "trainer.device=cpu", *[o for o in BASE if not o.startswith("trainer.epochs=")],
                "trainer.epochs=2", "probe.max_factor=4", "probe.checkpoints=2"]
@@ -107,11 +107,19 @@ def test_probe_end_to_end_and_continued_without_training_a_branch_twice(tmp_path
     assert len(probe["checkpoints"]) == 3
     for point in probe["checkpoints"]:
         seeds = sorted(b["seed"] for b in point["branches"] if b["factor"] == 1)
-        assert seeds == [0, 1, 2]  # three k=1 data orders: the noise floor
+        assert seeds == [0, 1]  # two k=1 data orders: the noise floor
         held = point["local_critical"]["held"]
         assert held in (8, 16, 32, 64) and (point["local_critical"]["failed"] in (None, 2 * held))
+        assert point["answer_alone"] in (8, 16, 32, 64)
+    # A cooldown from each snapshot ends where a shorter run would: the budget curve, up to the base's end.
+    curve = probe["budget_curve"]
+    assert [s for s, _ in curve] == sorted(s for s, _ in curve) and len(curve) == 4 and curve[-1][0] == 2048
+    assert {p.name for p in (folder / "branches").glob("cooldown_*")} == {
+        f"cooldown_at{c['samples']}_w1_seed0" for c in probe["checkpoints"]}
     answer = probe["answer"]
     assert answer["largest_batch"] in (8, 16, 32, 64) and answer["gpus"] == answer["largest_batch"] // 8
+    low, high = answer["interval"]
+    assert low <= answer["largest_batch"] <= high
     assert 0 < probe["cost"]["share"] and probe["cost"]["samples"] >= 2048
     assert answer["sentence"] in (folder / "probe.md").read_text().splitlines()[0]
 
@@ -147,6 +155,31 @@ def test_a_probe_stopped_among_its_branches_exits_with_the_signals_code(tmp_path
 
 
 @pytest.mark.slow
+def test_a_confirmed_probe_stopped_in_its_full_runs_continues_to_the_same_answer(tmp_path, capfd, monkeypatch):
+    """probe.confirm=true: full runs around the prediction. Ctrl-C among them, then the same command: it
+    finishes; once more: every run is read, none trained again, the same measured answer."""
+    folder = tmp_path / "probe"
+    args = ["probe", *SHORT_PROBE, "probe.confirm=true", f"probe.dir={folder}"]
+    code, _, err = signal_after_line(args, tmp_path, r"^probe: confirm: full run", signal.SIGINT)
+    assert code == 130 and err.strip().splitlines()[-1].startswith("lbt: probe stopped"), (code, err)
+    assert json.loads((folder / "probe.json").read_text())["answer"]  # the prediction stands meanwhile
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main_io(args, capfd)
+    assert code == 0, err[-2000:]
+    confirmed = json.loads((folder / "probe.json").read_text())["confirm"]
+    assert confirmed["sentence"] in out and confirmed["full_runs"] >= 2  # the base batch's second seed, and more
+    rows = {r["global_batch"]: r for r in confirmed["runs"]}
+    answer = confirmed["largest_batch"]
+    assert rows[answer]["holds"] and all(rows[b]["holds"] for b in rows if b < answer and len(rows[b]["values"]) == 2)
+    assert confirmed["top"] or not rows[2 * answer]["holds"]
+    stamps = {p.parent.name: p.stat().st_mtime_ns for p in (folder / "confirm").glob("*/result.json")}
+    code, out, err = run_main_io(args, capfd)
+    assert code == 0 and "full run(s) at" not in out, err[-2000:]
+    assert {p.parent.name: p.stat().st_mtime_ns for p in (folder / "confirm").glob("*/result.json")} == stamps
+    assert json.loads((folder / "probe.json").read_text())["confirm"]["largest_batch"] == answer
+
+
+@pytest.mark.slow
 def test_a_probe_stopped_in_its_base_run_says_the_probes_command(tmp_path):
     """The base run trains in the probe's process: stopped there, the line is the probe's and names the probe's
     command, not `lbt train`'s."""
@@ -166,7 +199,7 @@ def test_a_sigterm_to_the_probe_alone_stops_the_branches_its_launcher_runs_elsew
     args = ["probe", *SHORT_PROBE, f"probe.dir={folder}", "hydra/launcher=local_parallel"]
     code, _, err = signal_after_line(args, tmp_path, r"^probe: \d+ branch\(es\) at 1x", signal.SIGTERM)
     assert code == 143 and "Traceback" not in err, (code, err)
-    started = list((folder / "branches").glob("at*_w1_seed0"))
+    started = list((folder / "branches").glob("hold_at*_w1_seed0"))
     assert started and not [b for b in started if (b / "result.json").is_file()]  # stopped, not finished
     assert not (folder / ".stop").exists()
 
@@ -178,7 +211,10 @@ def test_a_sigterm_to_the_probe_alone_stops_the_branches_its_launcher_runs_elsew
     (["probe.max_factor=128"], "exceeds the training set"),
     (["probe.maxfactor=4"], "did you mean probe.max_factor"),
     (["probe.metric=bleu"], "probe.metric=bleu"),
-    (["probe.seeds=1"], "probe.seeds"),
+    (["probe.seeds=0"], "probe.seeds"),
+    (["probe.cooldown=1.5"], "probe.cooldown"),
+    (["probe.last=0.9", "probe.cooldown=0.5"], "probe.cooldown=0.5: the last snapshot's cooldown runs past"),
+    (["probe.confirm=maybe"], "probe.confirm=maybe: give true or false"),
 ])
 def test_bad_probe_settings_are_one_line(tmp_path, args, says, capfd, monkeypatch):
     """In this process, as `lbt probe` runs it (test_a_probe_folder_of_another_probe... runs the command)."""

@@ -35,14 +35,20 @@ def shortfall(value: float, reference: float, metric: Metric) -> float:
 
 
 def noise_floor(values: Sequence[float], metric: Metric) -> float:
-    """The spread of k=1 branches that differ only in data order, in the metric's units: twice the median
-    absolute deviation from their median. With two branches that is their difference; with three or more,
-    one spiking seed does not move it (a single pair's difference once ranged from 0.0024 nats to a spike).
+    """The spread of k=1 branches that differ only in data order, in the metric's units. Up to three
+    branches: their range (twice the median absolute deviation is 0 whenever two of three coincide, and
+    77.15, 77.15, 76.07% once "resolved" a difference smaller than the seeds' own spread; three values
+    cannot tell one spiking seed from a real spread). Four or more: Rousseeuw and Croux's Q_n, the
+    C(h, 2)-th smallest pairwise difference (h = n // 2 + 1), which one spiking seed does not move.
     Infinite with fewer than two finite values."""
-    finite = np.array([v for v in values if math.isfinite(v)], dtype=float) / metric.unit_size
-    if finite.size < 2:
+    finite = sorted(v / metric.unit_size for v in values if math.isfinite(v))
+    if len(finite) < 2:
         return math.inf
-    return float(2 * np.median(np.abs(finite - np.median(finite))))
+    if len(finite) <= 3:
+        return float(finite[-1] - finite[0])
+    gaps = sorted(b - a for i, a in enumerate(finite) for b in finite[i + 1:])
+    h = len(finite) // 2 + 1
+    return float(gaps[h * (h - 1) // 2 - 1])
 
 
 def reference_value(values: Sequence[float]) -> float:
@@ -163,3 +169,108 @@ def batch_schedule(checkpoints: Sequence[int], held: Sequence[int], base_batch: 
             schedule.append((int(at), grown))
             batch = grown
     return schedule
+
+
+# --- From branches to the answer for the user's budget ------------------------------------------------------
+#
+# McCandlish et al. 2018 (and Kaplan et al. 2020), read at a fixed sample budget E: a run at batch B makes the
+# progress the small-batch run makes with E_eff = E / r(B) samples, r = E(B) / E(B0) >= 1 measured by the
+# branches. Its shortfall at the end is the base batch's final-value-versus-budget curve F read at E_eff
+# against F(E): nothing where the metric has saturated, the slope times the lag where it still falls.
+
+
+def phase_weights(checkpoints: Sequence[float], budget: float) -> list[float]:
+    """Each checkpoint's share of the budget when it stands for training from itself to the next (the first
+    also for the start, the last up to the budget): the time weights of Merrill et al.'s Proposition 1."""
+    edges = [0.0, *checkpoints[1:], budget]
+    return [max(0.0, b - a) / budget for a, b in zip(edges, edges[1:])]
+
+
+def combined_ratios(per_checkpoint: Sequence[Mapping[int, float]], weights: Sequence[float]) -> dict[int, float]:
+    """r(k) over the whole run: the weighted mean of each checkpoint's samples ratio (the extra samples of
+    each phase add up, as in `predicted_need`); a factor only where every checkpoint measured it."""
+    common = set.intersection(*(set(r) for r in per_checkpoint)) if per_checkpoint else set()
+    total = sum(weights)
+    return {k: sum(w * r[k] for w, r in zip(weights, per_checkpoint)) / total for k in sorted(common)}
+
+
+def budget_value(points: Sequence[tuple[float, float]], samples: float) -> float:
+    """F(samples): the final value of a base-batch run of that many samples, from (samples, final value)
+    points of runs that ended there (short cooldowns and the base run's own end), linear in log samples
+    between them; below the smallest, extrapolated from the two smallest (one point: its value)."""
+    ordered = sorted((s, v) for s, v in points if s > 0 and math.isfinite(v))
+    if not ordered:
+        return math.nan
+    if len(ordered) == 1 or samples >= ordered[-1][0]:
+        return ordered[-1][1] if samples >= ordered[-1][0] else ordered[0][1]
+    below = [p for p in ordered if p[0] <= samples]
+    (s0, v0), (s1, v1) = (ordered[0], ordered[1]) if not below else (below[-1], ordered[len(below)])
+    t = (math.log(samples) - math.log(s0)) / (math.log(s1) - math.log(s0))
+    return v0 + t * (v1 - v0)
+
+
+def budget_shortfalls(ratios: Mapping[int, float], points: Sequence[tuple[float, float]], budget: float,
+                      metric: Metric) -> dict[int, float]:
+    """Factor k -> how much worse than F(budget) a from-scratch run at k x B0 ends: F read at budget / r(k)."""
+    final = budget_value(points, budget)
+    return {k: shortfall(budget_value(points, budget / max(r, 1.0)), final, metric) for k, r in ratios.items()}
+
+
+def largest_within(shortfalls: Mapping[int, float], tolerance: float, failed: frozenset[int] = frozenset()) -> int:
+    """The largest factor whose predicted shortfall, and every smaller factor's, is within the tolerance and
+    none of whose branches diverged (`failed`); 1 when none."""
+    held = 1
+    for k in sorted(k for k in shortfalls if k > 1):
+        if k in failed or not shortfalls[k] <= tolerance:
+            break
+        held = k
+    return held
+
+
+@dataclass(frozen=True)
+class CheckpointRatios:
+    """One checkpoint's samples ratios: measured by factor, and for every factor (the fitted noise scale's
+    where a factor was not run); the factors whose branch diverged."""
+
+    measured: dict[int, float]
+    filled: dict[int, float]
+    noise_scale: float
+    diverged: tuple[int, ...]
+
+
+def checkpoint_ratios(reference: Sequence[tuple[float, float]], ends: Mapping[int, tuple[float, float]],
+                      base_batch: int, factors: Sequence[int]) -> CheckpointRatios:
+    """`reference`: the k=1 branch's (samples into it, val loss) curve from (0, the start loss); `ends`: each
+    factor's branch (val loss at its end, infinite when it diverged; samples it trained)."""
+    measured = {k: samples_ratio(reference, loss, samples, k) for k, (loss, samples) in ends.items()}
+    noise = fit_noise_scale(measured, base_batch) if len(measured) > 1 else float(base_batch)
+    filled = {k: measured.get(k, model_ratio(k * base_batch, base_batch, noise)) for k in factors}
+    diverged = tuple(sorted(k for k, (loss, _) in ends.items() if not math.isfinite(loss)))
+    return CheckpointRatios(measured, filled, noise, diverged)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    factor: int  # the largest k x B0 predicted to hold for the budget
+    ratios: dict[int, float]  # r(k) over the run
+    shortfalls: dict[int, float]  # F(budget) - F(budget / r(k)), in the metric's units
+    alone: list[int]  # the largest factor each checkpoint predicts alone
+    failed: frozenset[int]  # factors a branch diverged at (and every larger one)
+
+
+def predict(checkpoints: Sequence[float], per_checkpoint: Sequence[CheckpointRatios],
+            points: Sequence[tuple[float, float]], budget: float, tolerance: float, metric: Metric) -> Prediction:
+    """The probe's answer for the budget: the checkpoints' ratios time-weighted (`combined_ratios`), read on
+    the budget curve (`budget_shortfalls`); a factor fails where any checkpoint's branch diverged at it or
+    below. Each checkpoint alone gives the interval's ends."""
+    factors = sorted(set.union(*(set(c.filled) for c in per_checkpoint))) if per_checkpoint else [1]
+    first = min((k for c in per_checkpoint for k in c.diverged), default=None)
+    failed = frozenset(k for k in factors if first is not None and k >= first)
+    ratios = combined_ratios([c.filled for c in per_checkpoint], phase_weights(checkpoints, budget))
+    shortfalls = budget_shortfalls(ratios, points, budget, metric)
+    alone = []
+    for c in per_checkpoint:
+        own = min(c.diverged, default=None)
+        alone.append(largest_within(budget_shortfalls(c.filled, points, budget, metric), tolerance,
+                                    frozenset(k for k in c.filled if own is not None and k >= own)))
+    return Prediction(largest_within(shortfalls, tolerance, failed), ratios, shortfalls, alone, failed)

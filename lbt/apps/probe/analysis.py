@@ -12,28 +12,30 @@ from typing import Any
 from lbt.apps.probe.plan import ProbePlan
 from lbt.apps.probe.settings import ProbeSettings
 from lbt.metrics import branches as rules
-from lbt.metrics.critical import b_simple_undefined, crossing_step, run_optimizer
+from lbt.metrics.critical import b_simple_undefined, run_optimizer
 from lbt.spec.result import ResultError, RunResult, read_result
 from lbt.techniques.gns import B_SIMPLE
 
-PROBE_VERSION = 1
+PROBE_VERSION = 2
+BRANCH_KINDS = ("hold", "cooldown")
 
 
-def branch_dir(folder: Path, plan: ProbePlan, at: int, factor: int, seed: int) -> Path:
-    return folder / "branches" / f"at{at}_w{factor * plan.world_size}_seed{seed}"
+def branch_dir(folder: Path, plan: ProbePlan, at: int, factor: int, seed: int, kind: str = "hold") -> Path:
+    return folder / "branches" / f"{kind}_at{at}_w{factor * plan.world_size}_seed{seed}"
 
 
-def branch_result(folder: Path, plan: ProbePlan, at: int, factor: int, seed: int) -> RunResult | None:
+def branch_result(folder: Path, plan: ProbePlan, at: int, factor: int, seed: int,
+                  kind: str = "hold") -> RunResult | None:
     """A finished branch's result (a failed job's too: it says why); None while it has none."""
     try:
-        result = read_result(branch_dir(folder, plan, at, factor, seed))
+        result = read_result(branch_dir(folder, plan, at, factor, seed, kind))
     except (ResultError, FileNotFoundError, OSError):
         return None
     return None if result.stopped else result
 
 
-def branch_done(folder: Path, plan: ProbePlan, at: int, factor: int, seed: int) -> bool:
-    return branch_result(folder, plan, at, factor, seed) is not None
+def branch_done(folder: Path, plan: ProbePlan, at: int, factor: int, seed: int, kind: str = "hold") -> bool:
+    return branch_result(folder, plan, at, factor, seed, kind) is not None
 
 
 def value_of(result: RunResult, settings: ProbeSettings) -> float:
@@ -44,53 +46,85 @@ def value_of(result: RunResult, settings: ProbeSettings) -> float:
 
 
 def verdicts(point: dict[str, Any], settings: ProbeSettings) -> dict[int, bool]:
-    """Factor -> whether its branch (base seed) stayed within tolerance of the k=1 branches, from
-    `checkpoint_numbers`; k=1 is the reference and only has to have trained (a diverged one closes the
-    checkpoint)."""
-    passed = {int(k): gap <= settings.within for k, gap in point["shortfalls"].items()}
+    """Factor -> whether the checkpoint alone predicts a from-scratch run at k x B0 within tolerance (and no
+    branch of it or a smaller factor diverged), from `checkpoint_numbers`; k=1 only has to have trained."""
+    passed = {int(k): gap <= settings.within and int(k) not in point["diverged"]
+              for k, gap in point["budget_shortfalls"].items()}
     reference = next((b for b in point["branches"] if b["factor"] == 1 and b["seed"] == point["base_seed"]), None)
-    if reference is not None:
-        passed[1] = math.isfinite(reference["value"])
+    passed[1] = reference is not None and math.isfinite(reference["value"])
     return passed
+
+
+def budget_points(folder: Path, plan: ProbePlan, settings: ProbeSettings, base: RunResult) -> list[list[float]]:
+    """(samples, final value) of base-batch runs that ended there: each checkpoint's cooldown and the base
+    run's end; without cooldowns, the base run's own evaluations (pessimistic: its LR had not decayed there)."""
+    final = [float(plan.budget), float(getattr(base, f"final_{settings.metric}"))]
+    if not plan.cooldowns:
+        return [[float(p.samples_seen), float(getattr(p, settings.metric))] for p in base.history
+                if p.samples_seen < plan.budget] + [final]
+    points = []
+    for at, cool in zip(plan.checkpoints, plan.cooldowns):
+        result = branch_result(folder, plan, at, 1, plan.seeds[0], "cooldown")
+        if result is not None and math.isfinite(value_of(result, settings)):
+            points.append([float(at + cool), value_of(result, settings)])
+    return [*points, final]
 
 
 def analyse(folder: Path, plan: ProbePlan, settings: ProbeSettings, base_dir: Path) -> dict[str, Any]:
     base = read_result(base_dir)
-    checkpoints = [checkpoint_numbers(folder, plan, settings, at, base) for at in plan.checkpoints]
+    points = budget_points(folder, plan, settings, base)
+    checkpoints = [checkpoint_numbers(folder, plan, settings, at, base, points) for at in plan.checkpoints]
     for previous, point in zip([0, *plan.checkpoints], checkpoints):
         point["b_simple"] = b_simple_between(base, previous, point["samples"])
     metric = settings.criterion
     final = float(getattr(base, f"final_{metric.name}"))
-    target = metric.worse_by(final, settings.within)
-    step = crossing_step(base.history, target, metric=metric)
-    reach = (step or base.steps) * plan.base_batch
-    noise = [c["noise_scale"] for c in checkpoints]
-    needs = {plan.batch(k): rules.predicted_need(plan.checkpoints, noise, reach, plan.batch(k), plan.base_batch)
-             for k in plan.factors}
-    additive = rules.largest_batch(plan.checkpoints, noise, reach, plan.budget, plan.base_batch, plan.factors)
+    found = rules.predict(plan.checkpoints, [c.pop("ratios") for c in checkpoints], points, plan.budget,
+                          settings.within, metric)
+    largest = found.factor * plan.base_batch
+    alone = [k * plan.base_batch for k in found.alone]
+    for point, factor in zip(checkpoints, alone):
+        point["answer_alone"] = factor
     held = [c["local_critical"]["held"] for c in checkpoints]
-    last = checkpoints[-1]["local_critical"]
-    trained = plan.budget + sum(b["samples"] for c in checkpoints for b in c["branches"])
+    trained = plan.budget + sum(b["samples"] for c in checkpoints for b in c["branches"]) + \
+        sum(b["samples"] for b in cooldown_records(folder, plan, settings))
     return {
         "version": PROBE_VERSION,
         "settings": {k: v for k, v in vars(settings).items() if k != "dir"} | {"tolerance": settings.within},
         "base": {"dir": str(base_dir), "global_batch": plan.base_batch, "world_size": plan.world_size,
                  "per_worker_batch": plan.per_worker_batch, "budget_samples": plan.budget,
-                 f"final_{metric.name}": final, "target": target, "reach_samples": reach,
+                 f"final_{metric.name}": final,
                  "history": [[p.samples_seen, p.acc, p.loss] for p in base.history]},
+        "budget_curve": points,
+        "cooldowns": cooldown_records(folder, plan, settings),
         "checkpoints": checkpoints,
-        "answer": answer(plan, settings, last, additive, needs),
+        "weights": rules.phase_weights(plan.checkpoints, plan.budget),
+        "prediction": {str(plan.batch(k)): {"samples_ratio": r, "effective_samples": plan.budget / r,
+                                            "shortfall": found.shortfalls[k], "diverged": k in found.failed}
+                       for k, r in found.ratios.items()},
+        "answer": answer(plan, settings, largest, min([largest, *alone]), max([largest, *alone]), found.failed,
+                         max(found.ratios, default=1)),
         "batch_schedule": [{"from_samples": at, "global_batch": b}
                            for at, b in rules.batch_schedule(plan.checkpoints, held, plan.base_batch)],
         "cost": {"samples": trained, "sweep_samples": plan.sweep_samples, "share": trained / plan.sweep_samples,
-                 "branches": sum(len(c["branches"]) for c in checkpoints),
-                 "run_seconds": base.wall_seconds + sum(b["seconds"] for c in checkpoints for b in c["branches"])},
+                 "branches": sum(len(c["branches"]) for c in checkpoints) + len(plan.cooldowns),
+                 "run_seconds": base.wall_seconds + sum(b["seconds"] for c in checkpoints for b in c["branches"])
+                 + sum(b["seconds"] for b in cooldown_records(folder, plan, settings))},
     }
 
 
-def checkpoint_numbers(folder: Path, plan: ProbePlan, settings: ProbeSettings, at: int,
-                       base: RunResult) -> dict[str, Any]:
-    """One checkpoint: its branches, noise floor, local critical batch and fitted noise scale."""
+def cooldown_records(folder: Path, plan: ProbePlan, settings: ProbeSettings) -> list[dict[str, Any]]:
+    records = []
+    for at in plan.checkpoints[:len(plan.cooldowns)]:
+        result = branch_result(folder, plan, at, 1, plan.seeds[0], "cooldown")
+        if result is not None:
+            records.append(branch_record(result, plan, settings, at, 1, plan.seeds[0]))
+    return records
+
+
+def checkpoint_numbers(folder: Path, plan: ProbePlan, settings: ProbeSettings, at: int, base: RunResult,
+                       points: list[list[float]]) -> dict[str, Any]:
+    """One checkpoint: its held-LR branches, their samples ratios (measured, and the fitted noise scale's
+    where a factor was not run), what they predict alone for the budget, and the local verdict."""
     metric, records = settings.criterion, []
     for factor in plan.factors:
         for seed in plan.seeds if factor == 1 else plan.seeds[:1]:
@@ -102,20 +136,24 @@ def checkpoint_numbers(folder: Path, plan: ProbePlan, settings: ProbeSettings, a
     floor = rules.noise_floor(ones, metric)
     reference = next((r for r in records if r["factor"] == 1 and r["seed"] == plan.seeds[0]), None)
     level = rules.reference_value(ones)
-    gaps = {r["factor"]: rules.shortfall(r["value"], level, metric)
-            for r in records if reference is not None and r["seed"] == plan.seeds[0]}
+    mine = [r for r in records if r["seed"] == plan.seeds[0] and reference is not None]
+    gaps = {r["factor"]: rules.shortfall(r["value"], level, metric) for r in mine}
     verdict = rules.local_critical(gaps, plan.base_batch, settings.within, floor)
     curve = [(0.0, start.loss if start else math.inf)] + (reference["curve"] if reference else [])
-    ratios = {r["factor"]: rules.samples_ratio(curve, r["loss"], r["samples"], r["factor"])
-              for r in records if r["seed"] == plan.seeds[0] and reference is not None}
+    ratios = rules.checkpoint_ratios(curve, {r["factor"]: (r["loss"], r["samples"]) for r in mine}, plan.base_batch,
+                                     plan.factors)
     return {"samples": at, "fraction": at / plan.budget, "base_seed": plan.seeds[0],
             "start": {"loss": start.loss, "acc": start.acc} if start else None,
             "noise_floor": floor, "reference": level, "branches": records,
             "shortfalls": {str(k): v for k, v in gaps.items()},
             "local_critical": {"held": verdict.held, "failed": verdict.failed, "resolved": verdict.resolved,
                                "batch": verdict.batch},
-            "samples_ratios": {str(k): v for k, v in ratios.items()},
-            "noise_scale": rules.fit_noise_scale(ratios, plan.base_batch) if ratios else float(plan.base_batch)}
+            "samples_ratios": {str(k): v for k, v in ratios.measured.items()},
+            "ratios_filled": {str(k): v for k, v in ratios.filled.items()},
+            "noise_scale": ratios.noise_scale, "diverged": list(ratios.diverged),
+            "budget_shortfalls": {str(k): v for k, v in
+                                  rules.budget_shortfalls(ratios.filled, points, plan.budget, metric).items()},
+            "ratios": ratios}
 
 
 def b_simple_between(base: RunResult, start: int, end: int) -> float | str:
@@ -139,31 +177,24 @@ def branch_record(result: RunResult, plan: ProbePlan, settings: ProbeSettings, a
             "loss": float(result.final_loss) if ok else math.inf, "acc": float(result.final_acc) if ok else math.nan,
             "diverged": result.diverged, "error": result.error, "seconds": result.wall_seconds,
             "samples": max(0, result.samples_seen - at) if not result.failed else 0,
-            "curve": [(p.samples_seen - at, p.loss) for p in result.history if p.samples_seen > at]}
+            "curve": [(p.samples_seen - at, p.loss) for p in result.history if p.samples_seen > at],
+            "curve_acc": [p.acc for p in result.history if p.samples_seen > at]}
 
 
-def answer(plan: ProbePlan, settings: ProbeSettings, last: dict[str, Any], additive: int,
-           needs: dict[int, float]) -> dict[str, Any]:
-    """The prediction: the local critical batch at the last checkpoint. A study judges the value a run ends
-    at, and a larger batch's lag early in training is mostly made up later (on MNIST-1D's mlp the early
-    checkpoints held 64 where the sweep held 512), so the latest phase decides; the additive lag model
-    (`need_samples`, McCandlish's ratio summed over the phases as if no lag were ever made up) is kept as
-    the pessimistic bound."""
-    largest = last["held"]
+def answer(plan: ProbePlan, settings: ProbeSettings, largest: int, low: int, high: int, failed: frozenset[int],
+           probed: int) -> dict[str, Any]:
+    """The prediction: the largest batch whose from-scratch run the branches predict within tolerance of the
+    base batch at the end of this budget (the samples ratios over the checkpoints, time-weighted, read on the
+    budget curve); the interval runs from the least to the most any one checkpoint predicts alone."""
     metric, gpus = settings.criterion, largest // plan.per_worker_batch
     unit = "point" if metric.unit == "point" else "nat"
     within = f"{settings.within:g} {unit}{'s' if settings.within != 1 else ''}"
     sentence = (f"Predicted: up to {gpus} GPUs (global batch {largest:,} at per-worker batch "
                 f"{plan.per_worker_batch}) stay within {within} of the base batch {plan.base_batch:,} in this "
-                f"budget ({plan.budget:,} samples)")
-    low = min(additive, largest)
-    if low < largest:
-        sentence += f"; at least {low:,} if no early lag is made up (the pessimistic bound)"
-    if last["failed"] is None:
+                f"budget ({plan.budget:,} samples); interval {low:,}..{high:,}")
+    top = largest == probed * plan.base_batch
+    if top:
         sentence += "; the largest batch probed held, so possibly more"
-    elif not last["resolved"]:
-        sentence += "; not resolved past it (the next batch's shortfall lies within the noise floor): a lower bound"
     return {"largest_batch": largest, "gpus": gpus, "per_worker_batch": plan.per_worker_batch,
-            "metric": metric.name, "tolerance": settings.within, "sentence": sentence, "resolved": last["resolved"],
-            "additive_lag_bound": additive, "range": [low, largest],
-            "need_samples": {str(b): n for b, n in needs.items()}}
+            "metric": metric.name, "tolerance": settings.within, "sentence": sentence, "interval": [low, high],
+            "diverged_factors": sorted(failed), "largest_probed_held": top}

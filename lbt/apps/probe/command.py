@@ -5,9 +5,12 @@
       2. say what it costs (samples, and minutes from a short timed run) before it starts
       3. the base run, saving snapshots (trainer.snapshot_samples), in DIR/base
       4. rounds of branches, each a Hydra multirun (so hydra/launcher=... runs them side by side, or on
-         SLURM): k=1 with every seed, then k=2, 4, ... at the checkpoints still open (two failed factors
-         in a row close one), in DIR/branches/at<samples>_w<world size>_seed<seed>
+         SLURM): a k=1 cooldown from each snapshot, then branches holding the snapshot's LR, k=1 with every
+         seed, then k=2, 4, ... at the checkpoints still open (a checkpoint closes at the first factor it
+         predicts to fail), in DIR/branches/<hold|cooldown>_at<samples>_w<world size>_seed<seed>
       5. read them (analysis.py) and write probe.json, probe.md, the figures and TensorBoard (output.py)
+      6. with probe.confirm=true, full runs around the prediction (confirm.py) until they give the
+         answer a sweep would
 
 Run again with the same command (and probe.dir) and it continues: a finished base run or branch is
 read, never run again or overwritten; a branch that was cut off is run again from its snapshot.
@@ -28,7 +31,8 @@ from pathlib import Path
 from lbt.apps.compose import compose
 from lbt.apps.errors import Stopped, fail, raise_if_stopped, stop_between_runs
 from lbt.apps.estimate import duration, timed_rate
-from lbt.apps.probe.analysis import analyse, branch_dir, branch_done, checkpoint_numbers, verdicts
+from lbt.apps.probe.analysis import analyse, branch_dir, branch_done, budget_points, checkpoint_numbers, verdicts
+from lbt.apps.probe.confirm import confirm
 from lbt.apps.probe.output import write_outputs
 from lbt.apps.probe.plan import SWEEP_SEEDS, ProbePlan, make_plan
 from lbt.apps.probe.settings import ProbeSettings, split_args
@@ -51,10 +55,12 @@ predicted from one base run and short branches from its snapshots instead of a f
   lbt probe recipe=goyal2017 model=mlp       any `lbt train` override sets the base run
   lbt probe hydra/launcher=local_parallel    branches side by side (submitit on SLURM)
   probe.dir=runs/probe/mine                  where it goes; the same command continues it
-  probe.checkpoints=5 probe.first=0.02 probe.last=0.7   snapshots, log-uniform in the budget
-  probe.max_factor=128 probe.delta=0.1       branches at k x the base batch, each 10% of the budget
-  probe.seeds=3                              k=1 branches over data orders: the noise floor
+  probe.checkpoints=2 probe.first=0.2 probe.last=0.5   snapshots, log-uniform in the budget
+  probe.max_factor=128 probe.delta=0.03      held-LR branches at k x the base batch, each 3% of the budget
+  probe.cooldown=0.2                         k=1 cooldowns of 20% of each snapshot's samples (0: none)
+  probe.seeds=1                              k=1 branches over data orders (2+: a noise floor)
   probe.metric=acc probe.tolerance=1         the study's criterion (points; loss: nats, 0.05)
+  probe.confirm=true                         then full runs around the prediction: the sweep's answer
 """
 
 # Keys a branch sets itself: the user's values for them define the base run only.
@@ -85,13 +91,23 @@ def probe_command(args: list[str]) -> None:
                 base = run_base(folder, plan, overrides, again)
             with console("quiet"):  # a branch's closing line only
                 run_branches(folder, plan, settings, overrides, base, again)
+            probe = analyse(folder, plan, settings, base)
+            if settings.confirm:
+                write_outputs(folder, probe)  # the prediction stands while the full runs train
+                print(f"probe: {probe['answer']['sentence']}; confirming with full runs", flush=True)
+                with console("quiet"):
+                    probe["confirm"] = confirm(folder, plan, settings, overrides, base,
+                                               probe["answer"]["largest_batch"], again)
+                probe["confirm"]["share"] = (probe["cost"]["samples"] + probe["confirm"]["samples"]) / \
+                    plan.sweep_samples
     except (Stopped, KeyboardInterrupt) as stop:
         print(f"\nlbt: probe stopped; finished runs are kept. Continue with: {again}", file=sys.stderr)
         sys.exit(128 + (stop.signum if isinstance(stop, Stopped) else signal.SIGINT))
-    probe = analyse(folder, plan, settings, base)
     probe["cost"]["command_seconds"] = round(time.perf_counter() - started, 1)  # this invocation (a rerun reads)
     write_outputs(folder, probe)
     print(f"probe finished in {time.perf_counter() - started:.0f} s: {probe['answer']['sentence']}")
+    if "confirm" in probe:
+        print(f"probe: {probe['confirm']['sentence']} (probe and runs: {probe['confirm']['share']:.0%} of a sweep)")
     print(f"report: {(folder / 'probe.md').resolve()}")
 
 
@@ -193,42 +209,47 @@ def finished(run_dir: Path) -> bool:
 
 def run_branches(folder: Path, plan: ProbePlan, settings: ProbeSettings, overrides: list[str], base: Path,
                  again: str) -> None:
-    """k=1 at every checkpoint and seed, then each larger factor at the checkpoints still open."""
+    """The k=1 cooldowns, then held-LR branches: k=1 at every checkpoint and seed, then each larger factor at
+    the checkpoints still open."""
     common = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in BRANCH_KEYS]
-    common += [f"trainer.branch_from={base.resolve()}", f"trainer.branch_samples={plan.branch_samples}",
-               f"trainer.branch_diverge={settings.diverge}", f"trainer.evals={settings.evals}",
-               f"trainer.per_worker_batch={plan.per_worker_batch}", "trainer.checkpoint_every=0",
-               "trainer.log_every=1", "trainer.progress=false", f"hydra.sweep.dir={folder.resolve()}/branches",
-               "hydra/hydra_logging=disabled", "hydra/job_logging=disabled",
-               "hydra.sweep.subdir=at${trainer.branch_at}_w${dist.world_size}_seed${trainer.seed}"]
+    common += [f"trainer.branch_from={base.resolve()}", f"trainer.branch_diverge={settings.diverge}",
+               f"trainer.evals={settings.evals}", f"trainer.per_worker_batch={plan.per_worker_batch}",
+               "trainer.checkpoint_every=0", "trainer.log_every=1", "trainer.progress=false",
+               f"hydra.sweep.dir={folder.resolve()}/branches", "hydra/hydra_logging=disabled",
+               "hydra/job_logging=disabled",
+               "hydra.sweep.subdir=${trainer.branch_lr}_at${trainer.branch_at}_w${dist.world_size}_seed${trainer.seed}"]
+
+    def one_round(kind: str, points: list[int], factor: int, seed: int, samples: int) -> None:
+        raise_if_stopped()
+        todo = [c for c in points if not branch_done(folder, plan, c, factor, seed, kind)]
+        if not todo:
+            return
+        for at in todo:  # cut off earlier: run again from its snapshot
+            shutil.rmtree(branch_dir(folder, plan, at, factor, seed, kind), ignore_errors=True)
+        what = "cooldown(s)" if kind == "cooldown" else f"branch(es) at {factor}x (global batch {plan.batch(factor):,})"
+        print(f"probe: {len(todo)} {what}, seed {seed}", flush=True)
+        multirun([*common, f"trainer.branch_lr={kind}", f"trainer.branch_samples={samples}",
+                  f"dist.world_size={factor * plan.world_size}", f"trainer.seed={seed}",
+                  f"trainer.branch_at={','.join(str(c) for c in todo)}"])
+        raise_if_stopped()  # told to stop while a branch trained: the ones it did not start are left
+        if not all(branch_done(folder, plan, c, factor, seed, kind) for c in todo):
+            fail(f"branches did not finish (stopped?); continue the probe with: {again}")
+
+    for at, cool in zip(plan.checkpoints, plan.cooldowns):  # each its own length
+        one_round("cooldown", [at], 1, plan.seeds[0], cool)
     base_result = read_result(base)
     for factor in plan.factors:
-        seeds = plan.seeds if factor == 1 else plan.seeds[:1]
-        open_points = [c for c in plan.checkpoints if factor == 1
-                       or still_open(checkpoint_numbers(folder, plan, settings, c, base_result), settings, factor)]
-        for seed in seeds:
-            raise_if_stopped()
-            todo = [c for c in open_points if not branch_done(folder, plan, c, factor, seed)]
-            if not todo:
-                continue
-            for at in todo:  # cut off earlier: run again from its snapshot
-                shutil.rmtree(branch_dir(folder, plan, at, factor, seed), ignore_errors=True)
-            print(f"probe: {len(todo)} branch(es) at {factor}x (global batch {plan.batch(factor):,}), seed {seed}",
-                  flush=True)
-            multirun([*common, f"dist.world_size={factor * plan.world_size}", f"trainer.seed={seed}",
-                      f"trainer.branch_at={','.join(str(c) for c in todo)}"])
-            raise_if_stopped()  # told to stop while a branch trained: the ones it did not start are left
-            if not all(branch_done(folder, plan, c, factor, seed) for c in todo):
-                fail(f"branches did not finish (stopped?); continue the probe with: {again}")
+        points = budget_points(folder, plan, settings, base_result)
+        open_points = [c for c in plan.checkpoints if factor == 1 or still_open(
+            checkpoint_numbers(folder, plan, settings, c, base_result, points), settings, factor)]
+        for seed in plan.seeds if factor == 1 else plan.seeds[:1]:
+            one_round("hold", open_points, factor, seed, plan.branch_samples)
 
 
 def still_open(point: dict, settings: ProbeSettings, factor: int) -> bool:
-    """A checkpoint stays open until two factors in a row failed (or its k=1 branch did)."""
-    passed = {k: ok for k, ok in verdicts(point, settings).items() if k < factor}
-    if passed.get(1) is False:
-        return False
-    tried = [passed[k] for k in sorted(passed) if k > 1]
-    return not (len(tried) >= 2 and not tried[-1] and not tried[-2])
+    """A checkpoint stays open while, alone, it predicts every smaller factor within tolerance."""
+    passed = verdicts(point, settings)
+    return all(passed.get(k, False) for k in passed if k < factor)
 
 
 def multirun(overrides: list[str]) -> None:

@@ -45,6 +45,10 @@ def plot_over_training(path: Path, probe: dict[str, Any]) -> None:
                 ["samples"] else None)
         ax.plot([at], [point["noise_scale"]], "s", color="C1", ms=4,
                 label="B_noise fitted to the branches" if at == probe["checkpoints"][0]["samples"] else None)
+        ax.plot([at], [point["answer_alone"]], "^", color="C2", ms=5,
+                label="largest batch this checkpoint predicts alone" if at == probe["checkpoints"][0]["samples"]
+                else None)
+    ax.axhline(probe["answer"]["largest_batch"], color="C2", lw=1, ls="--", label="the answer")
     ax.set_xscale("log")
     ax.set_yscale("log", base=2)
     ax.set_xlabel("samples seen by the base run")
@@ -100,46 +104,58 @@ def shown(value: Any) -> str:
 def markdown(probe: dict[str, Any]) -> str:
     answer, base, cost, settings = probe["answer"], probe["base"], probe["cost"], probe["settings"]
     metric = metric_named(settings["metric"], "probe.metric")
+    cooled = ", ".join(f"{s:,.0f}: {metric.show(v)}" for s, v in probe["budget_curve"])
     lines = [f"# lbt probe: {answer['sentence']}", "",
              f"Measured by branching: one base run at global batch {base['global_batch']:,} "
              f"({base['world_size']} GPU(s) x {base['per_worker_batch']}), {len(probe['checkpoints'])} snapshots, "
-             f"branches at 1x..{settings['max_factor']}x of {settings['delta']:.0%} of the budget each, judged by "
-             f"{metric.label} within {settings['tolerance']:g} {metric.unit}(s) of the k=1 branch; "
-             f"{settings['seeds']} k=1 seeds give the noise floor.", "",
+             f"branches at 1x..{settings['max_factor']}x holding the snapshot's LR (scaled to their batch) for "
+             f"{settings['delta']:.0%} of the budget, and k=1 cooldowns of {settings['cooldown']:.0%} of each "
+             f"snapshot's samples; judged by {metric.label} within {settings['tolerance']:g} {metric.unit}(s).", "",
              f"Cost: {cost['samples']:,} samples in {cost['branches']} branches and the base run = "
              f"{cost['share']:.0%} of the sweep it replaces ({cost['sweep_samples']:,} samples); "
              f"{cost['run_seconds']:.0f} s of runs here (their wall times summed; side by side they take less).",
              "",
-             "## Local critical batch over training", "",
-             "![critical batch over training](critical_batch_over_training.png)", "",
-             "| samples seen | of budget | start val acc | noise floor | held | failed | resolved | B_noise fit | "
-             "B_simple (base run) |",
-             "|---:|---:|---:|---:|---:|---:|---|---:|---|"]
+             "## How the answer is read", "",
+             "At a fixed budget E, a run at batch B makes the progress the base batch makes with E / r(B) samples "
+             "(McCandlish et al. 2018), so it ends where a base-batch run of E / r(B) samples ends: F(E / r(B)). "
+             "r(B) is each checkpoint's samples ratio (how many samples the k=1 branch needed to reach each "
+             "branch's val loss, per sample the branch spent), averaged over the checkpoints with each one's share "
+             "of training as its weight; F is the final value against the budget, from the cooldowns and the base "
+             f"run's end ({cooled}). A batch holds when F(E / r(B)) is within the tolerance of F(E) and none of its "
+             "branches diverged; the interval runs from the least to the most any one checkpoint predicts alone.",
+             "", "| global batch | samples ratio r | effective samples E / r | predicted shortfall | holds |",
+             "|---:|---:|---:|---:|---|"]
+    for batch, p in probe["prediction"].items():
+        shortfall = "diverged" if p["diverged"] else f"{p['shortfall']:.3g}"
+        holds = not p["diverged"] and p["shortfall"] is not None and p["shortfall"] <= settings["tolerance"]
+        lines.append(f"| {int(batch):,} | {p['samples_ratio']:.3g} | {p['effective_samples']:,.0f} | {shortfall} | "
+                     f"{'yes' if holds else 'no'} |")
+    lines += ["", "## Each checkpoint", "",
+              "![critical batch over training](critical_batch_over_training.png)", "",
+              "| samples seen | of budget | start val acc | noise floor | alone predicts | local held | B_noise fit | "
+              "B_simple (base run) |",
+              "|---:|---:|---:|---:|---:|---:|---:|---|"]
     for p in probe["checkpoints"]:
         v, start = p["local_critical"], p["start"] or {}
         floor = "n/a" if p["noise_floor"] is None or not math.isfinite(p["noise_floor"]) else f"{p['noise_floor']:.3g}"
         lines.append(f"| {p['samples']:,} | {p['fraction']:.1%} | {start.get('acc', math.nan):.4f} | {floor} | "
-                     f"{v['held']:,} | {v['failed'] or '-'} | {'yes' if v['resolved'] else 'no'} | "
-                     f"{p['noise_scale']:,.0f} | {shown(p.get('b_simple'))} |")
-    lines += ["", "![branches](branches.png)", "", "## From the checkpoints to the answer", "",
-              "The answer is the local critical batch at the last checkpoint: a study judges the value a run ends "
-              "at, and a larger batch's lag early in training is mostly made up later, so the latest phase decides "
-              "(bench/critical.py checks this against full sweeps). The pessimistic bound assumes no lag is ever "
-              "made up: in each phase (one checkpoint to the next) batch B needs E(B)/E(B0) = (1 + B/B_noise)/"
-              "(1 + B0/B_noise) times the base run's samples (McCandlish et al. 2018; B_noise fitted to the "
-              "checkpoint's branches: how many samples the k=1 branch needed to reach each branch's loss), summed "
-              f"up to where the base run reached its final {metric.label} less the tolerance "
-              f"({base['reach_samples']:,.0f} samples) and compared with the budget ({base['budget_samples']:,}): "
-              f"it gives {answer['additive_lag_bound']:,}.", "",
-              "| global batch | samples needed (no lag made up) | within budget |", "|---:|---:|---|"]
-    for batch, need in answer["need_samples"].items():
-        lines.append(f"| {int(batch):,} | {need:,.0f} | {'yes' if need <= base['budget_samples'] else 'no'} |")
+                     f"{p['answer_alone']:,} | {v['held']:,} | {p['noise_scale']:,.0f} | {shown(p.get('b_simple'))} |")
     schedule = " -> ".join(f"{s['global_batch']:,} from {s['from_samples']:,}" for s in probe["batch_schedule"])
-    lines += ["", "## Batch-size schedule", "",
+    low, high = answer["interval"]
+    lines += ["", "![branches](branches.png)", "", "## Batch-size schedule", "",
               f"Start at the base batch and double it whenever the local critical batch reaches twice the "
               f"current one: {schedule}. Train with it: `lbt train ... technique=batch_ramp "
               f"technique.batch_ramp.mode=probe technique.batch_ramp.probe=<this folder>/probe.json`.", "",
-              f"**Answer (predicted): up to {answer['gpus']} GPUs (global batch {answer['largest_batch']:,})** within "
-              f"{settings['tolerance']:g} {metric.unit}(s) of the base batch; a study would measure it with a full "
-              f"sweep at {1 / cost['share']:.1f}x this probe's compute.", ""]
+              f"**Answer (predicted): up to {answer['gpus']} GPUs (global batch {answer['largest_batch']:,}; interval "
+              f"{low:,}..{high:,})** within {settings['tolerance']:g} {metric.unit}(s) of the base batch; a study "
+              f"would measure it with a full sweep at {1 / cost['share']:.1f}x this probe's compute "
+              "(`probe.confirm=true` measures it around the prediction).", ""]
+    confirm = probe.get("confirm")
+    if confirm:
+        lines += ["## Confirmed by full runs", "", confirm["sentence"], "",
+                  "| global batch | seeds' final values | mean | holds |", "|---:|---|---:|---|"]
+        for row in confirm["runs"]:
+            lines.append(f"| {row['global_batch']:,} | {', '.join(metric.show(v) for v in row['values'])} | "
+                         f"{metric.show(row['mean'])} | {'yes' if row['holds'] else 'no'} |")
+        lines.append("")
     return "\n".join(lines)

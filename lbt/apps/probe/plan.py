@@ -20,7 +20,8 @@ class ProbePlan:
     budget: int  # samples the base run trains (the user's budget)
     epoch_samples: int  # samples in one epoch at B0
     checkpoints: tuple[int, ...]  # samples seen at each snapshot
-    branch_samples: int  # Δ
+    branch_samples: int  # Δ, each held-LR branch's
+    cooldowns: tuple[int, ...]  # each checkpoint's k=1 cooldown, in samples (empty: none)
     factors: tuple[int, ...]
     seeds: tuple[int, ...]  # the k=1 branches' seeds; the first is the base run's, used at every k
     sweep_samples: int  # what the sweep over the same batches (SWEEP_SEEDS seeds) trains
@@ -32,7 +33,7 @@ class ProbePlan:
     def most_samples(self) -> int:
         """The probe's samples if no branch stops early and none is pruned."""
         branches = len(self.checkpoints) * (len(self.factors) - 1 + len(self.seeds))
-        return self.budget + branches * self.branch_samples
+        return self.budget + branches * self.branch_samples + sum(self.cooldowns)
 
 
 def make_plan(spec: RunSpec, num_train: int, settings: ProbeSettings) -> ProbePlan:
@@ -57,17 +58,18 @@ def make_plan(spec: RunSpec, num_train: int, settings: ProbeSettings) -> ProbePl
         at = int(epoch) * epoch_samples + min(round(into / largest), starts - 1) * largest
         points.append(at if at > 0 else largest)
     checkpoints = tuple(sorted(set(points)))
-    delta = round(settings.delta * total)
+    delta = max(round(settings.delta * total), 2 * largest)  # two steps of the largest batch at least
     if checkpoints[-1] + delta > total:
         raise ConfigError(f"probe.delta={settings.delta:g}: a branch of {delta:,} samples from the last snapshot "
-                          f"(at {checkpoints[-1]:,}) runs past the budget ({total:,} samples); lower probe.delta "
-                          "or probe.last")
-    if delta < largest:
-        raise ConfigError(f"probe.delta={settings.delta:g} ({delta:,} samples) is less than one step of the "
-                          f"largest branch ({largest:,}); raise probe.delta or lower probe.max_factor")
+                          f"(at {checkpoints[-1]:,}) runs past the budget ({total:,} samples); lower probe.delta, "
+                          "probe.last or probe.max_factor")
+    cooldowns = tuple(max(round(settings.cooldown * at), base) for at in checkpoints) if settings.cooldown else ()
+    if any(at + cool > total for at, cool in zip(checkpoints, cooldowns)):
+        raise ConfigError(f"probe.cooldown={settings.cooldown:g}: the last snapshot's cooldown runs past the budget "
+                          f"({total:,} samples); lower probe.cooldown or probe.last")
     factors = tuple(settings.factors)
     sweep = sum(make_budget([layout.grown(k, "world_size")] * spec.trainer.epochs, num_train,
                             spec.trainer.max_steps).total_samples for k in factors) * SWEEP_SEEDS
     seed = spec.trainer.seed
     return ProbePlan(base, layout.world_size, layout.per_worker_batch, total, epoch_samples, checkpoints, delta,
-                     factors, tuple(seed + i for i in range(settings.seeds)), sweep)
+                     cooldowns, factors, tuple(seed + i for i in range(settings.seeds)), sweep)

@@ -15,16 +15,18 @@ from lbt.spec.validate import integer, number
 
 @dataclass(frozen=True)
 class ProbeSettings:
-    checkpoints: int = 5  # K snapshots of the base run, log-uniform in samples seen from `first` to `last`
-    first: float = 0.02  # of the budget
-    last: float = 0.7
+    checkpoints: int = 2  # K snapshots of the base run, log-uniform in samples seen from `first` to `last`
+    first: float = 0.2  # of the budget
+    last: float = 0.5
     max_factor: int = 128  # branches at k x the base batch, k = 1, 2, 4, ... up to this
-    delta: float = 0.1  # each branch's samples, as a fraction of the budget
-    seeds: int = 3  # k=1 branches with different data orders at each checkpoint (the noise floor)
+    delta: float = 0.03  # each held-LR branch's samples, as a fraction of the budget (at least 2 largest steps)
+    cooldown: float = 0.2  # k=1 cooldowns from each snapshot, as a fraction of its samples (0: none)
+    seeds: int = 1  # k=1 held-LR branches with different data orders at each checkpoint (2+: a noise floor)
     metric: str = "acc"  # the study's criterion: acc (points) or loss (nats)
     tolerance: float | None = None  # in the metric's units; default: the study's (1 point, 0.05 nats)
     evals: int = 8  # evaluations over each branch (the k=1 curve the samples ratio reads)
     diverge: float = 3.0  # a branch whose train loss passes this x its start loss stops, failed
+    confirm: bool = False  # then full runs around the prediction, until they give the sweep's answer
     dir: str = ""  # the probe folder; default runs/probe/<date>_<time>
 
     @property
@@ -47,7 +49,8 @@ class ProbeSettings:
         if factor & (factor - 1):
             raise ConfigError(f"probe.max_factor={factor}: give a power of two (branches double the batch)")
         number("probe.delta", self.delta, low=0, high=1, low_open=True)
-        integer("probe.seeds", self.seeds, 2, 16)
+        number("probe.cooldown", self.cooldown, low=0, high=1)
+        integer("probe.seeds", self.seeds, 1, 16)
         self.criterion  # noqa: B018 (checks the name)
         if self.tolerance is not None:
             number("probe.tolerance", self.tolerance, low=0, low_open=True)
@@ -82,6 +85,10 @@ def split_args(args: list[str]) -> tuple[ProbeSettings, list[str]]:
 def read_value(key: str, text: str) -> Any:
     if key in ("metric", "dir"):
         return text
+    if key == "confirm":
+        if text.lower() not in ("true", "false"):
+            raise ConfigError(f"probe.confirm={text}: give true or false")
+        return text.lower() == "true"
     if key == "tolerance" and text in ("null", "none"):
         return None
     try:
