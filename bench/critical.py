@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
 import math
 import shutil
@@ -36,11 +37,14 @@ import sys
 import sysconfig
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 from lbt.apps.compose import compose
 from lbt.engine import make_spec
 from lbt.engine.build import build_data
+from lbt.metrics import branches as rules
+from lbt.metrics.confirm import confirm_step
 from lbt.metrics.critical import crossing_step, fit_steps_to_target, gns_summary
 from lbt.spec.objective import LOSS, Metric, metric_named
 from lbt.spec.result import RunResult, read_result
@@ -52,10 +56,15 @@ PER_WORKER_BATCH = 64  # lbt's default: world size W trains at global batch 64 W
 MAX_FACTOR = 128
 SEEDS = (0, 1)
 TEXT_BYTES = 1_200_000  # the character LM's corpus: at least this much of the stdlib's source
-GNS_WINDOW = 0.2
+GNS_WINDOW = 0.2  # B_simple: the last 20% of training, as `lbt report` summarises it
 # The committed evidence (kilobytes): each workload's sweep and each probe's branch summaries, which
 # `--rescore` reads to score a prediction rule without training.
-EVIDENCE = REPO / "bench" / "results" / "critical"  # B_simple: the last 20% of training, as `lbt report` summarises it
+EVIDENCE = REPO / "bench" / "results" / "critical"
+# What the evidence probe measures; --rescore reads any subset of it (fewer snapshots, shorter branches as
+# their first evaluations, without cooldowns): 4 snapshots log-uniform from 10% to 50% of the budget, held-LR
+# branches of 5% with 8 evaluations each, 2 seeds at k=1, a cooldown of 20% of each snapshot's samples.
+EVIDENCE_PROBE = ["probe.checkpoints=4", "probe.first=0.1", "probe.last=0.5", "probe.delta=0.05",
+                  "probe.cooldown=0.2", "probe.seeds=2", "probe.evals=8"]
 
 
 def stdlib_text(out: Path) -> Path:
@@ -117,6 +126,7 @@ def workloads(out: Path) -> dict[str, tuple[list[str], str, list[str]]]:
     }
 
 
+WORKLOADS = ("mlp", "cnn1d", "char_lm", "transformer1d", "transformer1d_muon", "gpt_bytes")
 # Workloads whose sweep and probe stop below MAX_FACTOR for their budget (see workloads()).
 FACTOR_CAP = {"char_lm": 64, "gpt_bytes": 64}
 
@@ -196,17 +206,20 @@ def write_sweep_evidence(name: str, overrides: list[str], metric: str, results: 
     (folder / "sweep.json").write_text(json.dumps(evidence, indent=None, separators=(",", ":")) + "\n")
 
 
-def value(result: RunResult, metric: Metric) -> float:
-    """A run's final val value; a diverged or failed run's is the metric's worst (it fails any tolerance)."""
-    number = getattr(result, f"final_{metric.name}")
-    return number if result.trained and math.isfinite(number) else metric.worst
+def record_value(run: dict, metric: Metric) -> float:
+    """A run's final val value; a diverged or failed run's is NaN (it fails any tolerance)."""
+    number = run[f"final_val_{metric.name}"]
+    return number if run["trained"] and not run["diverged"] and number is not None and math.isfinite(number) \
+        else math.nan
 
 
-def sweep_answer(results: list[RunResult], metric: Metric) -> tuple[int, int | None, dict[int, float]]:
-    """(largest batch within tolerance of the base batch, the next batch (None: all held), mean by batch)."""
+def sweep_answer(runs: list[dict], metric: Metric) -> tuple[int, int | None, dict[int, float]]:
+    """(largest batch within tolerance of the base batch, the next batch (None: all held), mean by batch):
+    the mean over the seeds, and every smaller batch's, within the tolerance; a NaN run fails."""
     by_batch: dict[int, list[float]] = defaultdict(list)
-    for r in results:
-        by_batch[r.global_batch].append(value(r, metric))
+    for run in runs:
+        v = record_value(run, metric)
+        by_batch[run["global_batch"]].append(v if math.isfinite(v) else metric.worst)
     means = {b: statistics.fmean(v) for b, v in sorted(by_batch.items())}
     base = min(means)
     floor = metric.worse_by(means[base], metric.default_tolerance)
@@ -237,12 +250,14 @@ def b_simple(results: list[RunResult]) -> str:
 
 
 def probe(folder: Path, overrides: list[str], metric: str, factor: int, timing: Timing) -> dict:
+    """The evidence probe (EVIDENCE_PROBE: more snapshots, longer branches and more seeds than lbt's defaults,
+    which --rescore reads in subsets)."""
     fresh = not (folder / "probe.json").exists()
     if not fresh and "probe" not in timing.seconds:  # run before by another invocation: its own wall time
         cost = json.loads((folder / "probe.json").read_text())["cost"]
         timing.record("probe", cost.get("command_seconds", cost.get("wall_seconds", 0)))
     started = time.perf_counter()
-    code = lbt(["probe", *overrides, *QUIET, *PARALLEL, f"probe.metric={metric}",
+    code = lbt(["probe", *overrides, *QUIET, *PARALLEL, f"probe.metric={metric}", *EVIDENCE_PROBE,
                 *([f"probe.max_factor={factor}"] if factor != MAX_FACTOR else []), f"probe.dir={folder}"],
                folder.parent / "probe.log")
     if code or not (folder / "probe.json").exists():
@@ -282,7 +297,145 @@ def schedule_check(run_dir: Path, overrides: list[str], probe_dir: Path, probe_j
             "batches_by_epoch": next((t for t in ramp.techniques if "batch schedule" in t), "")}
 
 
-def one(name: str, overrides: list[str], metric_name: str, sweep_only: list[str], out: Path) -> dict:
+# --- scoring a probe rule on the evidence, without training -----------------------------------------------
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A probe cheaper than the evidence probe, read from it: some of its snapshots, its branches cut at
+    their first `evals` evaluations (of 8), with or without the cooldowns."""
+
+    checkpoints: tuple[int, ...]
+    evals: int
+    cooldown: bool
+
+    def name(self, fractions: list[float]) -> str:
+        at = ",".join(f"{fractions[i]:.2f}" for i in self.checkpoints)
+        return f"snapshots {at}, branches {self.evals}/8 of 5%, {'cooldowns' if self.cooldown else 'no cooldowns'}"
+
+
+VARIANTS = [Variant(tuple(c), e, cool) for n in (1, 2, 3, 4) for c in itertools.combinations(range(4), n)
+            for e in (2, 4, 8) for cool in (True, False)]
+SHARE_TARGET = 0.10
+
+
+def score(probe_json: dict, runs: list[dict], variant: Variant) -> dict:
+    """The variant's prediction, interval and compute for one workload, and the confirm step run on the
+    sweep's own runs (the runs it would train: the same commands, and lbt runs are deterministic)."""
+    settings, base = probe_json["settings"], probe_json["base"]
+    metric, tolerance = metric_named(settings["metric"], "metric"), settings["tolerance"]
+    budget, b0 = base["budget_samples"], base["global_batch"]
+    factors = [2**i for i in range(int(math.log2(settings["max_factor"])) + 1)]
+    chosen = [probe_json["checkpoints"][i] for i in variant.checkpoints if i < len(probe_json["checkpoints"])]
+    final = [float(budget), base[f"final_{metric.name}"]]
+    index = 1 if metric.name == "acc" else 2
+    if variant.cooldown:
+        ends = {c["samples"] for c in chosen}
+        points = [[c["at"] + c["samples"], c["value"]] for c in probe_json["cooldowns"] if c["at"] in ends
+                  and c["value"] is not None] + [final]
+    else:
+        points = [[h[0], h[index]] for h in base["history"] if h[0] < budget] + [final]
+    per_checkpoint, cost = [], float(budget)
+    for c in chosen:
+        mine = [b for b in c["branches"] if b["seed"] == c["base_seed"]]
+        reference = next(b for b in mine if b["factor"] == 1)
+        start = c["start"]["loss"]
+        ref_curve = [(0.0, start), *[tuple(p) for p in reference["curve"][:variant.evals]]]
+        cut = {}
+        for b in mine:
+            if len(b["curve"]) >= variant.evals:
+                samples, loss = b["curve"][variant.evals - 1]
+                cut[b["factor"]] = (loss if loss is not None else math.inf, samples)
+            else:  # diverged before the cut
+                cut[b["factor"]] = (math.inf, b["samples"] or 1)
+        per_checkpoint.append(rules.checkpoint_ratios(ref_curve, cut, b0, factors))
+    found = rules.predict([c["samples"] for c in chosen], per_checkpoint, points, budget, tolerance, metric)
+    delta = max(b["samples"] for c in chosen for b in c["branches"] if b["factor"] == 1) * variant.evals / 8
+    for alone in found.alone:  # a checkpoint closes at the first factor it predicts to fail
+        cost += delta * len([k for k in factors if k <= min(2 * alone, factors[-1])])
+    if variant.cooldown:
+        cost += sum(c["samples"] for c in probe_json["cooldowns"] if c["at"] in {p["samples"] for p in chosen})
+    sweep_samples = probe_json["cost"]["sweep_samples"]
+    values = {(r["global_batch"] // b0, r["seed"]): record_value(r, metric) for r in runs}
+    trained: dict[tuple[int, int], dict] = {(r["global_batch"] // b0, r["seed"]): r for r in runs}
+    known = {(1, 0): values[(1, 0)]}
+    while (step := confirm_step(found.factor, factors, known, tolerance, metric)).answer is None:
+        known.update({run: values[run] for run in step.runs})
+    confirm_samples = sum(trained[run]["samples"] for run in known if run != (1, 0))
+    low, high = min([found.factor, *found.alone]), max([found.factor, *found.alone])
+    return {"predicted": found.factor * b0, "low": low * b0, "high": high * b0, "share": cost / sweep_samples,
+            "confirmed": step.answer * b0, "confirm_runs": len(known) - 1,
+            "confirm_share": (cost + confirm_samples) / sweep_samples}
+
+
+def evidence(names: list[str]) -> dict[str, tuple[dict, dict]]:
+    found = {}
+    for name in names:
+        sweep_file, probe_file = EVIDENCE / name / "sweep.json", EVIDENCE / name / "probe.json"
+        if sweep_file.exists() and probe_file.exists():
+            found[name] = (json.loads(sweep_file.read_text()), json.loads(probe_file.read_text()))
+    return found
+
+
+def worst(rows: dict[str, dict], swept: dict[str, int]) -> float:
+    return max(max(r["predicted"] / swept[n], swept[n] / r["predicted"]) for n, r in rows.items())
+
+
+def choose(found: dict[str, tuple[dict, dict]], swept: dict[str, int], names: list[str]) -> Variant:
+    """The variant with the smallest worst factor over `names` among those within SHARE_TARGET there (then
+    the cheapest); every variant when none is."""
+    scored = []
+    for variant in VARIANTS:
+        rows = {n: score(found[n][1], found[n][0]["runs"], variant) for n in names}
+        share = max(r["share"] for r in rows.values())
+        scored.append((share > SHARE_TARGET, worst(rows, swept), share, variant.checkpoints, variant.evals,
+                       variant))
+    return min(scored, key=lambda t: t[:5])[-1]
+
+
+def rescore(names: list[str]) -> list[str]:
+    """Every workload's sweep answer and the probe's, from bench/results/critical/ alone; the variant is the
+    one chosen on all workloads, and each workload is also scored by the variant chosen without it."""
+    found = evidence(names)
+    if not found:
+        raise SystemExit(f"no evidence in {EVIDENCE} for {', '.join(names)}; run the benchmark first")
+    swept = {n: sweep_answer(sweep["runs"], metric_named(sweep["metric"], "metric"))[0] for n, (sweep, _) in
+             found.items()}
+    everywhere = choose(found, swept, list(found))
+    fractions = [c["fraction"] for c in next(iter(found.values()))[1]["checkpoints"]]
+    lines = [f"rule: {everywhere.name(fractions)} (chosen on all {len(found)} workloads)", "",
+             "| workload | sweep answer | probe answer | factor | interval | probe share | left out: variant | "
+             "left out: answer (factor) | confirmed | confirm runs | probe + confirm share |",
+             "|---|---:|---:|---:|---|---:|---|---:|---:|---:|---:|"]
+    rows, left = {}, {}
+    for name, (sweep, probe_json) in found.items():
+        rows[name] = score(probe_json, sweep["runs"], everywhere)
+        without = choose(found, swept, [n for n in found if n != name]) if len(found) > 1 else everywhere
+        left[name] = score(probe_json, sweep["runs"], without)
+        r, lo = rows[name], left[name]
+        factor = max(r["predicted"] / swept[name], swept[name] / r["predicted"])
+        lo_factor = max(lo["predicted"] / swept[name], swept[name] / lo["predicted"])
+        lines.append(f"| {name} | {swept[name]:,} | {r['predicted']:,} | {factor:.2f} | {r['low']:,}..{r['high']:,} | "
+                     f"{r['share']:.1%} | {without.name(fractions)} | {lo['predicted']:,} ({lo_factor:.2f}) | "
+                     f"{r['confirmed']:,} | {r['confirm_runs']} | {r['confirm_share']:.1%} |")
+    holds = sum(r["low"] <= swept[n] <= r["high"] and r["high"] <= 4 * r["low"] for n, r in rows.items())
+    exact = sum(r["confirmed"] == swept[n] for n, r in rows.items())
+    lines += ["", f"left-one-out worst factor: {worst(left, swept):.2f}",
+              f"probe_worst_factor={worst(rows, swept):.2f} "
+              f"probe_compute_share={max(r['share'] for r in rows.values()):.3f} "
+              f"interval_holds={holds}/{len(rows)} confirm_exact={exact}/{len(rows)} "
+              f"confirm_share={max(r['confirm_share'] for r in rows.values()):.3f}"]
+    return lines
+
+
+def write_probe_evidence(name: str, probe_json: dict) -> None:
+    """probe.json as committed evidence: without the machine's paths."""
+    kept = {**probe_json, "base": {k: v for k, v in probe_json["base"].items() if k != "dir"}}
+    (EVIDENCE / name / "probe.json").write_text(json.dumps(kept, separators=(",", ":")) + "\n")
+
+
+def one(name: str, overrides: list[str], metric_name: str, sweep_only: list[str], out: Path,
+        schedule: bool) -> dict:
     folder = out / name
     folder.mkdir(parents=True, exist_ok=True)
     timing = Timing(folder / "timing.json")
@@ -290,19 +443,17 @@ def one(name: str, overrides: list[str], metric_name: str, sweep_only: list[str]
     factor = largest_factor(name, overrides)
     results = sweep(folder / "sweep", [*overrides, *sweep_only], factor, timing)
     write_sweep_evidence(name, overrides, metric_name, results)
-    swept, next_batch, means = sweep_answer(results, metric)
+    runs = [run_record(r) for r in results]
+    swept, next_batch, means = sweep_answer(runs, metric)
     base_mean = means[min(means)]
     found = probe(folder / "probe", overrides, metric_name, factor, timing)
-    predicted = found["answer"]["largest_batch"]
-    row = {"workload": name, "overrides": overrides, "sweep_only": sweep_only, "metric": metric_name,
-           "max_factor": factor, "swept": swept, "swept_next": next_batch, "predicted": predicted,
-           "predicted_resolved": found["answer"]["resolved"], "additive_bound": found["answer"]["additive_lag_bound"],
-           "factor": max(predicted / swept, swept / predicted), "share": found["cost"]["share"],
-           "fit": steps_fit(results, metric, metric.worse_by(base_mean, metric.default_tolerance)),
-           "b_simple": b_simple(results), "means": {str(b): v for b, v in means.items()},
-           "local": [{"at": c["samples"], **c["local_critical"]} for c in found["checkpoints"]],
-           "batch_schedule": found["batch_schedule"]}
-    row["schedule"] = schedule_check(folder / "schedule", overrides, folder / "probe", found, timing)
+    write_probe_evidence(name, found)
+    row = {"workload": name, "overrides": overrides, "metric": metric_name, "max_factor": factor, "swept": swept,
+           "swept_next": next_batch, "fit": steps_fit(results, metric, metric.worse_by(base_mean,
+                                                                                       metric.default_tolerance)),
+           "b_simple": b_simple(results), "means": {str(b): v for b, v in means.items()}}
+    if schedule:
+        row["schedule"] = schedule_check(folder / "schedule", overrides, folder / "probe", found, timing)
     row["seconds"] = timing.seconds
     (folder / "row.json").write_text(json.dumps(row, indent=1))
     return row
@@ -319,45 +470,37 @@ def steps(pair: tuple) -> str:
 
 
 def line(row: dict) -> str:
-    s, m = row["schedule"], metric_named(row["metric"], "metric")
-    local = ", ".join(f"{c['held']:,}{'' if c['resolved'] else '+'}" for c in row["local"])
+    m = metric_named(row["metric"], "metric")
     means = " ".join(f"{int(b):,}:{m.show(v)}" for b, v in row["means"].items())
-    t = row["seconds"]
-    return (f"{row['workload']}: sweep {row['swept']:,} (next {row['swept_next'] or '-'}), probe {row['predicted']:,} "
-            f"(x{row['factor']:.2f}) at {row['share']:.0%} of the sweep's samples; local critical by checkpoint "
-            f"{local}; fit {row['fit']}; B_simple {row['b_simple']}; schedule steps to the base's final val loss "
-            f"{steps(s['to_final'])}, to +0.05 nats {steps(s['to_target'])}, val acc {s['acc_diff_points']:+.2f} "
-            f"points; sweep means {means}; wall: sweep {t.get('sweep', '?')} s, probe {t.get('probe', '?')} s, "
-            f"schedule {t.get('schedule', '?')} s")
-
-
-def table(rows: list[dict]) -> None:
-    print("| workload | metric | sweep answer | probe answer | factor | probe share | steps-to-target fit | B_simple "
-          "| schedule steps saved (final loss) | (final loss + 0.05) | schedule val acc diff | wall: sweep / probe "
-          "/ schedule |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        s, t = r["schedule"], r["seconds"]
-        print(f"| {r['workload']} | {r['metric']} | {r['swept']:,} | {r['predicted']:,} | {r['factor']:.2f} | "
-              f"{r['share']:.0%} | {r['fit']} | {r['b_simple']} | {pct(s['to_final'][2])} | {pct(s['to_target'][2])} | "
-              f"{s['acc_diff_points']:+.2f} | {t.get('sweep', '?')} / {t.get('probe', '?')} / "
-              f"{t.get('schedule', '?')} s |")
+    t, said = row["seconds"], ""
+    if "schedule" in row:
+        s = row["schedule"]
+        said = (f"; schedule steps to the base's final val loss {steps(s['to_final'])}, to +0.05 nats "
+                f"{steps(s['to_target'])}, val acc {s['acc_diff_points']:+.2f} points")
+    return (f"{row['workload']}: sweep {row['swept']:,} (next {row['swept_next'] or '-'}); fit {row['fit']}; "
+            f"B_simple {row['b_simple']}{said}; sweep means {means}; wall: sweep {t.get('sweep', '?')} s, "
+            f"probe {t.get('probe', '?')} s, schedule {t.get('schedule', '-')} s")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", default="mlp,cnn1d,char_lm,transformer1d,transformer1d_muon,gpt_bytes",
-                        help="comma-separated, of: mlp, cnn1d, char_lm, transformer1d, transformer1d_muon, gpt_bytes")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of: {', '.join(WORKLOADS)}")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench" / "critical")
     parser.add_argument("--sweeps-only", action="store_true", help="run (or read) the sweeps, write their evidence")
+    parser.add_argument("--schedule", action="store_true", help="also train the probe's batch schedule")
+    parser.add_argument("--rescore", action="store_true",
+                        help="score the probe from bench/results/critical/ alone, training nothing")
     args = parser.parse_args()
+    names = args.workloads.split(",")
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        parser.error(f"unknown workload(s) {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}")
+    if args.rescore:
+        print("\n".join(rescore(names)))
+        return
     out = args.out.resolve()
     known = workloads(out)
-    names = args.workloads.split(",")
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        parser.error(f"unknown workload(s) {', '.join(unknown)}; choose from {', '.join(known)}")
-    started, rows = time.perf_counter(), []
+    started = time.perf_counter()
     for name in names:
         overrides, metric, sweep_only = known[name]
         if args.sweeps_only:
@@ -366,15 +509,13 @@ def main() -> None:
             results = sweep(folder / "sweep", [*overrides, *sweep_only], largest_factor(name, overrides),
                             Timing(folder / "timing.json"))
             write_sweep_evidence(name, overrides, metric, results)
-            swept, next_batch, means = sweep_answer(results, metric_named(metric, "metric"))
-            print(f"{name}: sweep answer {swept:,} (next {next_batch}); means {means}", flush=True)
+            answer = sweep_answer([run_record(r) for r in results], metric_named(metric, "metric"))[0]
+            print(f"{name}: sweep answer {answer:,}", flush=True)
             continue
-        rows.append(one(name, overrides, metric, sweep_only, out))
-        print(line(rows[-1]), flush=True)
+        print(line(one(name, overrides, metric, sweep_only, out, args.schedule)), flush=True)
     print(f"total wall time {time.perf_counter() - started:.0f} s (cached phases take none)")
-    table(rows)
-    print(f"probe_worst_factor={max(r['factor'] for r in rows):.2f} "
-          f"probe_compute_share={max(r['share'] for r in rows):.3f}", flush=True)
+    if not args.sweeps_only:
+        print("\n".join(rescore(names)))
 
 
 if __name__ == "__main__":

@@ -173,7 +173,8 @@ def b_simple_between(base: RunResult, start: int, end: int) -> float | str:
 def branch_record(result: RunResult, plan: ProbePlan, settings: ProbeSettings, at: int, factor: int,
                   seed: int) -> dict[str, Any]:
     ok = not (result.failed or result.diverged)
-    return {"factor": factor, "global_batch": plan.batch(factor), "seed": seed, "value": value_of(result, settings),
+    return {"at": at, "factor": factor, "global_batch": plan.batch(factor), "seed": seed,
+            "value": value_of(result, settings),
             "loss": float(result.final_loss) if ok else math.inf, "acc": float(result.final_acc) if ok else math.nan,
             "diverged": result.diverged, "error": result.error, "seconds": result.wall_seconds,
             "samples": max(0, result.samples_seen - at) if not result.failed else 0,
