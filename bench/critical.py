@@ -64,7 +64,7 @@ EVIDENCE = REPO / "bench" / "results" / "critical"
 # their first evaluations, without cooldowns): 4 snapshots log-uniform from 10% to 50% of the budget, held-LR
 # branches of 5% with 8 evaluations each, 2 seeds at k=1, a cooldown of 20% of each snapshot's samples.
 EVIDENCE_PROBE = ["probe.checkpoints=4", "probe.first=0.1", "probe.last=0.5", "probe.delta=0.05",
-                  "probe.cooldown=0.2", "probe.seeds=2", "probe.evals=8"]
+                  "probe.cooldown=0.2", "probe.seeds=2", "probe.evals=8", "probe.prune=false"]
 
 
 def stdlib_text(out: Path) -> Path:
@@ -308,14 +308,16 @@ class Variant:
     checkpoints: tuple[int, ...]
     evals: int
     cooldown: bool
+    estimator: str = "progress"
 
     def name(self, fractions: list[float]) -> str:
         at = ",".join(f"{fractions[i]:.2f}" for i in self.checkpoints)
-        return f"snapshots {at}, branches {self.evals}/8 of 5%, {'cooldowns' if self.cooldown else 'no cooldowns'}"
+        return (f"snapshots {at}, branches {self.evals}/8 of 5%, {'cooldowns' if self.cooldown else 'no cooldowns'}, "
+                f"{self.estimator}")
 
 
-VARIANTS = [Variant(tuple(c), e, cool) for n in (1, 2, 3, 4) for c in itertools.combinations(range(4), n)
-            for e in (2, 4, 8) for cool in (True, False)]
+VARIANTS = [Variant(tuple(c), e, cool, est) for n in (1, 2, 3, 4) for c in itertools.combinations(range(4), n)
+            for e in (2, 4, 8) for cool in (True, False) for est in rules.ESTIMATORS]
 SHARE_TARGET = 0.10
 
 
@@ -338,17 +340,13 @@ def score(probe_json: dict, runs: list[dict], variant: Variant) -> dict:
     per_checkpoint, cost = [], float(budget)
     for c in chosen:
         mine = [b for b in c["branches"] if b["seed"] == c["base_seed"]]
-        reference = next(b for b in mine if b["factor"] == 1)
-        start = c["start"]["loss"]
-        ref_curve = [(0.0, start), *[tuple(p) for p in reference["curve"][:variant.evals]]]
-        cut = {}
-        for b in mine:
-            if len(b["curve"]) >= variant.evals:
-                samples, loss = b["curve"][variant.evals - 1]
-                cut[b["factor"]] = (loss if loss is not None else math.inf, samples)
-            else:  # diverged before the cut
-                cut[b["factor"]] = (math.inf, b["samples"] or 1)
-        per_checkpoint.append(rules.checkpoint_ratios(ref_curve, cut, b0, factors))
+        curves = {b["factor"]: [(s, math.inf if v is None else v) for s, v in b["curve"][:variant.evals]]
+                  for b in mine}
+        # A branch cut before its divergence had not diverged; one that diverged before the cut had.
+        diverged = [b["factor"] for b in mine if len(b["curve"]) < variant.evals
+                    or (b["diverged"] and len(b["curve"]) == variant.evals)]
+        per_checkpoint.append(rules.checkpoint_ratios(c["start"]["loss"], curves, diverged, b0, factors,
+                                                      variant.estimator))
     found = rules.predict([c["samples"] for c in chosen], per_checkpoint, points, budget, tolerance, metric)
     delta = max(b["samples"] for c in chosen for b in c["branches"] if b["factor"] == 1) * variant.evals / 8
     for alone in found.alone:  # a checkpoint closes at the first factor it predicts to fail

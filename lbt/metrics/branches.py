@@ -238,15 +238,48 @@ class CheckpointRatios:
     diverged: tuple[int, ...]
 
 
-def checkpoint_ratios(reference: Sequence[tuple[float, float]], ends: Mapping[int, tuple[float, float]],
-                      base_batch: int, factors: Sequence[int]) -> CheckpointRatios:
-    """`reference`: the k=1 branch's (samples into it, val loss) curve from (0, the start loss); `ends`: each
-    factor's branch (val loss at its end, infinite when it diverged; samples it trained)."""
-    measured = {k: samples_ratio(reference, loss, samples, k) for k, (loss, samples) in ends.items()}
+ESTIMATORS = ("progress", "crossing")
+
+
+def progress_ratio(start: float, reference_end: float, loss: float, factor: int) -> float:
+    """E(k B0) / E(B0) from two branches' ends: the share of the k=1 branch's loss decrease, from the same
+    start over the same samples, that the k branch made; a linear reading of the k=1 curve between its ends,
+    where its first crossing of a noisy curve (`samples_ratio`) is ill-conditioned: at a held LR the k=1
+    loss soon hovers at its noise level, and any end near that level reads as "reached long ago". Clipped
+    to [1, k]; a branch that made no progress, or diverged, counts as k."""
+    made, wanted = start - loss, start - reference_end
+    if not math.isfinite(loss) or made <= 0:
+        return float(factor)
+    if wanted <= 0:
+        return 1.0
+    return min(max(wanted / made, 1.0), float(factor))
+
+
+def smoothed_end(curve: Sequence[tuple[float, float]], share: float = 0.5) -> float:
+    """The mean val loss over the last `share` of a branch's evaluations: the end a noisy curve stands for."""
+    values = [v for _, v in curve]
+    if not values:
+        return math.inf
+    tail = values[-max(1, round(share * len(values))):]
+    return float(np.mean(tail)) if all(math.isfinite(v) for v in tail) else math.inf
+
+
+def checkpoint_ratios(start: float, curves: Mapping[int, Sequence[tuple[float, float]]], diverged: Sequence[int],
+                      base_batch: int, factors: Sequence[int], estimator: str = "progress") -> CheckpointRatios:
+    """`curves`: each factor's branch as (samples into it, val loss) evaluations from the same start loss
+    (k=1's included); `diverged`: the factors whose branch diverged."""
+    reference = curves.get(1, [])
+    measured = {}
+    for k, curve in curves.items():
+        if k in diverged or not curve:
+            measured[k] = float(k)
+        elif estimator == "crossing":
+            measured[k] = samples_ratio([(0.0, start), *reference], curve[-1][1], curve[-1][0], k)
+        else:
+            measured[k] = progress_ratio(start, smoothed_end(reference), smoothed_end(curve), k)
     noise = fit_noise_scale(measured, base_batch) if len(measured) > 1 else float(base_batch)
     filled = {k: measured.get(k, model_ratio(k * base_batch, base_batch, noise)) for k in factors}
-    diverged = tuple(sorted(k for k, (loss, _) in ends.items() if not math.isfinite(loss)))
-    return CheckpointRatios(measured, filled, noise, diverged)
+    return CheckpointRatios(measured, filled, noise, tuple(sorted(diverged)))
 
 
 @dataclass(frozen=True)

@@ -139,9 +139,9 @@ def checkpoint_numbers(folder: Path, plan: ProbePlan, settings: ProbeSettings, a
     mine = [r for r in records if r["seed"] == plan.seeds[0] and reference is not None]
     gaps = {r["factor"]: rules.shortfall(r["value"], level, metric) for r in mine}
     verdict = rules.local_critical(gaps, plan.base_batch, settings.within, floor)
-    curve = [(0.0, start.loss if start else math.inf)] + (reference["curve"] if reference else [])
-    ratios = rules.checkpoint_ratios(curve, {r["factor"]: (r["loss"], r["samples"]) for r in mine}, plan.base_batch,
-                                     plan.factors)
+    diverged = [r["factor"] for r in mine if not math.isfinite(r["value"])]
+    ratios = rules.checkpoint_ratios(start.loss if start else math.inf, {r["factor"]: r["curve"] for r in mine},
+                                     diverged, plan.base_batch, plan.factors)
     return {"samples": at, "fraction": at / plan.budget, "base_seed": plan.seeds[0],
             "start": {"loss": start.loss, "acc": start.acc} if start else None,
             "noise_floor": floor, "reference": level, "branches": records,

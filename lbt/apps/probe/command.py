@@ -240,7 +240,7 @@ def run_branches(folder: Path, plan: ProbePlan, settings: ProbeSettings, overrid
     base_result = read_result(base)
     for factor in plan.factors:
         points = budget_points(folder, plan, settings, base_result)
-        open_points = [c for c in plan.checkpoints if factor == 1 or still_open(
+        open_points = [c for c in plan.checkpoints if factor == 1 or not settings.prune or still_open(
             checkpoint_numbers(folder, plan, settings, c, base_result, points), settings, factor)]
         for seed in plan.seeds if factor == 1 else plan.seeds[:1]:
             one_round("hold", open_points, factor, seed, plan.branch_samples)

@@ -27,6 +27,7 @@ class ProbeSettings:
     evals: int = 8  # evaluations over each branch (the k=1 curve the samples ratio reads)
     diverge: float = 3.0  # a branch whose train loss passes this x its start loss stops, failed
     confirm: bool = False  # then full runs around the prediction, until they give the sweep's answer
+    prune: bool = True  # a checkpoint closes at the first factor it predicts to fail (false: every factor runs)
     dir: str = ""  # the probe folder; default runs/probe/<date>_<time>
 
     @property
@@ -85,9 +86,9 @@ def split_args(args: list[str]) -> tuple[ProbeSettings, list[str]]:
 def read_value(key: str, text: str) -> Any:
     if key in ("metric", "dir"):
         return text
-    if key == "confirm":
+    if key in ("confirm", "prune"):
         if text.lower() not in ("true", "false"):
-            raise ConfigError(f"probe.confirm={text}: give true or false")
+            raise ConfigError(f"probe.{key}={text}: give true or false")
         return text.lower() == "true"
     if key == "tolerance" and text in ("null", "none"):
         return None
