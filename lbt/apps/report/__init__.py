@@ -35,6 +35,7 @@ from lbt.apps.report.hybrid import hybrid_caps, hybrid_points
 from lbt.apps.report.jobs import SUMMARY_DIR, Job, load_jobs
 from lbt.apps.report.markdown import markdown
 from lbt.apps.report.plots import plot_gns, plot_gpus, plot_metric_vs_batch, plot_steps
+from lbt.apps.report.probe import probe_beside, probe_lines
 from lbt.apps.report.rows import Row, aggregate, default_target
 from lbt.apps.report.tensorboard import write_tensorboard
 from lbt.apps.report.trust import judge_study
@@ -63,8 +64,10 @@ def write_report(study_dir: str | Path, target: float | None = None, tolerance: 
     if network is not None and not trust.withheld:
         answer["time_to_accuracy"] = time_to_accuracy(rows, answer, jobs, network, step_ms)
     hybrid = hybrid_points(rows, jobs, hybrid_caps(answer, hybrid_cap), judge)
+    beside = None if trust.withheld else probe_beside(study_dir, jobs, answer)
     (study_dir / "report.md").write_text(markdown(rows, target, crit, answer, judge, hybrid,
-                                                  hybrid_cap is not None, trust))
+                                                  hybrid_cap is not None, trust)
+                                         + "\n".join(probe_lines(beside)) + ("\n" if beside else ""))
     curves, gpus = f"{judge.label}_vs_batch.png", f"{judge.label}_vs_gpus.png"
     vertical_lines = plot_metric_vs_batch(rows, crit, study_dir / curves, judge, measured, trust.withheld)
     files = ["report.md", curves, "steps_to_target.png", "gns_over_training.png", "summary.json", SUMMARY_DIR]
@@ -87,6 +90,7 @@ def write_report(study_dir: str | Path, target: float | None = None, tolerance: 
         "answer_withheld": trust.withheld,
         "warnings": [w.replace("**", "") for w in trust.warnings],
         "gpu_answer": answer,
+        "probe": beside,
         "hybrid": hybrid,
         "critical_batch": crit,
         "plot_lines": {curves: vertical_lines},  # the x of every vertical line drawn on it

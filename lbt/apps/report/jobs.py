@@ -15,6 +15,7 @@ from lbt.spec.objective import Metric
 from lbt.spec.result import ResultError, RunResult, read_result
 
 SUMMARY_DIR = "tb_summary"  # the report's own TensorBoard run inside the study folder, not a job
+PROBE_MARK = "probe_command.json"  # an `lbt probe` folder inside a study: its runs are the probe's, not jobs
 UNREADABLE = "unreadable result.json"  # the series of a job whose result.json is damaged
 
 # Overrides that place a job on the curve (batch) or average it (seed), not a variant of the recipe.
@@ -51,8 +52,11 @@ class Job:
 
 
 def load_jobs(study_dir: Path) -> list[Job]:
-    """Every job under `study_dir` (its result.json files, the report's own tb_summary/ left out), in path order."""
-    paths = [p for p in sorted(study_dir.rglob("result.json")) if SUMMARY_DIR not in p.relative_to(study_dir).parts]
+    """Every job under `study_dir` (its result.json files, the report's own tb_summary/ and any probe folder
+    left out), in path order."""
+    probes = {p.parent for p in study_dir.rglob(PROBE_MARK)}
+    paths = [p for p in sorted(study_dir.rglob("result.json")) if SUMMARY_DIR not in p.relative_to(study_dir).parts
+             and not probes.intersection(p.parents)]
     jobs = [read_job(path, study_dir) for path in paths]
     # Only overrides that differ between jobs make a variant; ones shared by all are the study's setting.
     readable = [job for job in jobs if job.readable]
