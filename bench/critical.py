@@ -1,26 +1,31 @@
-"""Critical batch: `lbt probe` against the full sweep it replaces (issue 28, section 4).
+"""Critical batch: `lbt probe` against the full sweep it replaces, on six workloads.
 
 For each workload:
   (a) the sweep: `lbt train -m` at every power-of-two world size 1..128 (per-worker batch 64, so global
-      batch 64..8,192) x seeds 0,1, full-length runs, and its measured answer: the largest global batch
-      whose mean final val metric over the seeds, and every smaller batch's, stays within the tolerance
-      (1 accuracy point, or 0.05 nats) of the base batch's; a diverged or failed run counts as failing;
-  (b) `lbt probe` on the same overrides (default probe settings but probe.metric, and probe.max_factor
-      where the sweep stops below 128: char_lm, see workloads()): its answer and compute share;
-  (c) diagnostics on the sweep: the steps-to-target fit S = S_min (1 + B_noise / B) to each run's steps
-      to the base batch's final val metric less the tolerance, and B_simple (cnn1d only: its sweep runs
-      measure=[gns]; median over the runs at world size >= 2 of each one's last 20% of training);
-  (d) the probe's batch schedule trained from scratch (technique=batch_ramp mode=probe, grow=world_size)
-      against the probe's own base run: optimizer steps to reach the base run's final val loss, and to
-      lbt's loss target (that loss + 0.05 nats), the step saving, and the final val accuracy difference.
+      batch 64..8,192; 64x for the language models, whose budgets are shorter) x seeds 0,1, full-length
+      runs, and its measured answer: the largest global batch whose mean final val metric over the seeds,
+      and every smaller batch's, stays within the tolerance (1 accuracy point, or 0.05 nats) of the base
+      batch's; a diverged or failed run counts as failing;
+  (b) the evidence probe: `lbt probe` with more snapshots, longer branches and more seeds than lbt's
+      defaults (EVIDENCE_PROBE), every factor at every snapshot (probe.prune=false);
+  (c) diagnostics on the sweep: the steps-to-target fit S = S_min (1 + B_noise / B) and B_simple (cnn1d);
+  (d) with --schedule, the probe's batch schedule trained from scratch against the probe's own base run.
 
-    python bench/critical.py                                   # all four workloads (about an hour, 2 cores)
-    python bench/critical.py --workloads mlp,cnn1d --out runs/bench/critical
+Each workload's sweep (final val metric and curve per batch x seed) and probe (every branch's end and
+curve) are written to bench/results/critical/<workload>/ (kilobytes), and `--rescore` scores the probe
+from them alone, training nothing: any cheaper probe read out of the evidence (fewer snapshots, branches
+cut at an earlier evaluation, with or without cooldowns, either samples-ratio estimator), the one chosen on
+all workloads (the smallest worst factor within 10% of the sweep's compute), each workload scored again by
+the variant chosen without it (leave one out), and the confirm step run on the sweep's own runs (the runs
+it would train: the same commands; lbt runs are deterministic).
 
-Everything lands in --out (git-ignored runs/) and is read back when there: a sweep whose folder holds
-every result.json is not run again, a probe continues itself (same probe.dir), and the schedule run is
-kept while the probe's schedule is the one it trained. Last line: `probe_worst_factor=F
-probe_compute_share=C` (the worst workload's max(predicted/swept, swept/predicted), the largest share).
+    python bench/critical.py                       # all six workloads (sweeps about 75 min on 2 cores)
+    python bench/critical.py --sweeps-only         # the sweeps and their evidence
+    python bench/critical.py --rescore             # the table from bench/results/critical/, in seconds
+
+Runs land in --out (git-ignored runs/) and are read back when there: a sweep whose folder holds every
+result.json is not run again, a probe continues itself (same probe.dir). Last line: `probe_worst_factor=F
+probe_compute_share=C interval_holds=H/N confirm_exact=E/N confirm_share=S`.
 """
 
 from __future__ import annotations
