@@ -10,7 +10,7 @@ from typing import Any
 from lbt.apps.plotting import batch_axis, figure, save_figure
 from lbt.metrics.tensorboard import RunLogger
 from lbt.paths import atomic_write
-from lbt.spec.objective import metric_named
+from lbt.spec.objective import Metric, metric_named
 
 
 def plain(value: Any) -> Any:
@@ -150,12 +150,15 @@ def markdown(probe: dict[str, Any]) -> str:
               f"{low:,}..{high:,})** within {settings['tolerance']:g} {metric.unit}(s) of the base batch; a study "
               f"would measure it with a full sweep at {1 / cost['share']:.1f}x this probe's compute "
               "(`probe.confirm=true` measures it around the prediction).", ""]
-    confirm = probe.get("confirm")
-    if confirm:
-        lines += ["## Confirmed by full runs", "", confirm["sentence"], "",
-                  "| global batch | seeds' final values | mean | holds |", "|---:|---|---:|---|"]
-        for row in confirm["runs"]:
-            lines.append(f"| {row['global_batch']:,} | {', '.join(metric.show(v) for v in row['values'])} | "
-                         f"{metric.show(row['mean'])} | {'yes' if row['holds'] else 'no'} |")
-        lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + confirm_lines(probe.get("confirm"), metric))
+
+
+def confirm_lines(confirm: dict[str, Any] | None, metric: Metric) -> list[str]:
+    if not confirm:
+        return []
+    lines = ["## Confirmed by full runs", "", confirm["sentence"], "",
+             "| global batch | seeds' final values | mean | holds |", "|---:|---|---:|---|"]
+    for row in confirm["runs"]:
+        lines.append(f"| {row['global_batch']:,} | {', '.join(metric.show(v) for v in row['values'])} | "
+                     f"{metric.show(row['mean'])} | {'yes' if row['holds'] else 'no'} |")
+    return [*lines, ""]

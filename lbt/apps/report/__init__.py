@@ -49,9 +49,8 @@ __all__ = ["Job", "Row", "aggregate", "answer_lines", "default_target", "gpu_ans
 def write_report(study_dir: str | Path, target: float | None = None, tolerance: float | None = None,
                  network: str | None = None, step_ms: float | None = None, metric: str = "acc",
                  hybrid_cap: int | None = None) -> dict[str, Any]:
-    """The report of a study folder, judged on `metric` ("acc", higher is better, or "loss", lower is
-    better): the target, steps to it, and "how many GPUs" within `tolerance` (the metric's units,
-    default its default_tolerance). Writes the report's files into the folder; returns summary.json."""
+    """The report of a study folder judged on `metric` (acc or loss): the target, steps to it, and "how many GPUs"
+    within `tolerance` (the metric's units; default its own). Writes the report's files; returns summary.json."""
     study_dir, judge = Path(study_dir), metric_named(metric, "--metric")
     jobs = finished_jobs(study_dir)
     target = default_target(jobs, judge) if target is None else target
@@ -66,8 +65,7 @@ def write_report(study_dir: str | Path, target: float | None = None, tolerance: 
     hybrid = hybrid_points(rows, jobs, hybrid_caps(answer, hybrid_cap), judge)
     beside = None if trust.withheld else probe_beside(study_dir, jobs, answer)
     (study_dir / "report.md").write_text(markdown(rows, target, crit, answer, judge, hybrid,
-                                                  hybrid_cap is not None, trust)
-                                         + "\n".join(probe_lines(beside)) + ("\n" if beside else ""))
+                                                  hybrid_cap is not None, trust, probe_lines(beside)))
     curves, gpus = f"{judge.label}_vs_batch.png", f"{judge.label}_vs_gpus.png"
     vertical_lines = plot_metric_vs_batch(rows, crit, study_dir / curves, judge, measured, trust.withheld)
     files = ["report.md", curves, "steps_to_target.png", "gns_over_training.png", "summary.json", SUMMARY_DIR]
@@ -89,8 +87,7 @@ def write_report(study_dir: str | Path, target: float | None = None, tolerance: 
         "failed": trust.failed,
         "answer_withheld": trust.withheld,
         "warnings": [w.replace("**", "") for w in trust.warnings],
-        "gpu_answer": answer,
-        "probe": beside,
+        "gpu_answer": answer, "probe": beside,  # an `lbt probe` of the same workload in the folder, or None
         "hybrid": hybrid,
         "critical_batch": crit,
         "plot_lines": {curves: vertical_lines},  # the x of every vertical line drawn on it

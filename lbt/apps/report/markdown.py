@@ -42,7 +42,7 @@ def percent(value: float | None, std: float | None = None) -> str:
 
 def markdown(rows: list[Row], target: float | None, crit: dict[str, Any],
              answer: dict[str, Any] | None = None, metric: Metric = ACC, hybrid: list[dict[str, Any]] | tuple = (),
-             hybrid_cap_given: bool = False, trust: Trust | None = None) -> str:
+             hybrid_cap_given: bool = False, trust: Trust | None = None, probe: list[str] | tuple = ()) -> str:
     """The whole report.md."""
     split, trust = study_split(rows), trust or Trust()
     text = char_level(rows)  # a language model's: its losses also read in bits per char
@@ -58,7 +58,7 @@ def markdown(rows: list[Row], target: float | None, crit: dict[str, Any],
     lines += hybrid_lines(list(hybrid), split, metric, hybrid_cap_given)
     if answer is not None:
         lines += answer_lines(answer, trust.headlines)
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, *probe]) + "\n"
 
 
 def top_lines(crit: dict[str, Any], metric: Metric, trust: Trust, text: str | None) -> list[str]:
