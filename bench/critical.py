@@ -365,7 +365,7 @@ def score(probe_json: dict, runs: list[dict], variant: Variant) -> dict:
     while (step := confirm_step(found.factor, factors, known, tolerance, metric)).answer is None:
         known.update({run: values[run] for run in step.runs})
     confirm_samples = sum(trained[run]["samples"] for run in known if run != (1, 0))
-    low, high = min([found.factor, *found.alone]), max([found.factor, *found.alone])
+    low, high = rules.interval(found.factor, factors[-1])
     return {"predicted": found.factor * b0, "low": low * b0, "high": high * b0, "share": cost / sweep_samples,
             "confirmed": step.answer * b0, "confirm_runs": len(known) - 1,
             "confirm_share": (cost + confirm_samples) / sweep_samples}

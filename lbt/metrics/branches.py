@@ -307,3 +307,13 @@ def predict(checkpoints: Sequence[float], per_checkpoint: Sequence[CheckpointRat
         alone.append(largest_within(budget_shortfalls(c.filled, points, budget, metric), tolerance,
                                     frozenset(k for k in c.filled if own is not None and k >= own)))
     return Prediction(largest_within(shortfalls, tolerance, failed), ratios, shortfalls, alone, failed)
+
+
+# How far from the sweep's answer the prediction has been, in doublings, on every workload bench/critical.py
+# validates (bench/README.md, "Critical batch: probe vs sweep"): the interval is the prediction within it.
+VALIDATED_DOUBLINGS = 1
+
+
+def interval(factor: int, largest_factor: int) -> tuple[int, int]:
+    """(low, high) factors around a predicted one: VALIDATED_DOUBLINGS either side, within the probed grid."""
+    return max(1, factor >> VALIDATED_DOUBLINGS), min(largest_factor, factor << VALIDATED_DOUBLINGS)

@@ -101,8 +101,9 @@ def analyse(folder: Path, plan: ProbePlan, settings: ProbeSettings, base_dir: Pa
         "prediction": {str(plan.batch(k)): {"samples_ratio": r, "effective_samples": plan.budget / r,
                                             "shortfall": found.shortfalls[k], "diverged": k in found.failed}
                        for k, r in found.ratios.items()},
-        "answer": answer(plan, settings, largest, min([largest, *alone]), max([largest, *alone]), found.failed,
-                         max(found.ratios, default=1)),
+        "answer": answer(plan, settings, largest, *(k * plan.base_batch for k in
+                                                   rules.interval(found.factor, plan.factors[-1])),
+                         found.failed, max(found.ratios, default=1)),
         "batch_schedule": [{"from_samples": at, "global_batch": b}
                            for at, b in rules.batch_schedule(plan.checkpoints, held, plan.base_batch)],
         "cost": {"samples": trained, "sweep_samples": plan.sweep_samples, "share": trained / plan.sweep_samples,
@@ -186,7 +187,8 @@ def answer(plan: ProbePlan, settings: ProbeSettings, largest: int, low: int, hig
            probed: int) -> dict[str, Any]:
     """The prediction: the largest batch whose from-scratch run the branches predict within tolerance of the
     base batch at the end of this budget (the samples ratios over the checkpoints, time-weighted, read on the
-    budget curve); the interval runs from the least to the most any one checkpoint predicts alone."""
+    budget curve); the interval is one doubling either side, as far as the prediction has been from the
+    sweep's answer on the workloads bench/critical.py validates."""
     metric, gpus = settings.criterion, largest // plan.per_worker_batch
     unit = "point" if metric.unit == "point" else "nat"
     within = f"{settings.within:g} {unit}{'s' if settings.within != 1 else ''}"

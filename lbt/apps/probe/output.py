@@ -122,7 +122,8 @@ def markdown(probe: dict[str, Any]) -> str:
              "branch's val loss, per sample the branch spent), averaged over the checkpoints with each one's share "
              "of training as its weight; F is the final value against the budget, from the cooldowns and the base "
              f"run's end ({cooled}). A batch holds when F(E / r(B)) is within the tolerance of F(E) and none of its "
-             "branches diverged; the interval runs from the least to the most any one checkpoint predicts alone.",
+             "branches diverged; the interval is one doubling either side, as far as the prediction has been from "
+             "full sweeps (bench/critical.py).",
              "", "| global batch | samples ratio r | effective samples E / r | predicted shortfall | holds |",
              "|---:|---:|---:|---:|---|"]
     for batch, p in probe["prediction"].items():
