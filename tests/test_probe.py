@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 from pathlib import Path
 
@@ -137,6 +138,36 @@ def test_probe_end_to_end_and_continued_without_training_a_branch_twice(tmp_path
     assert retrained == lost  # the finished ones were read, not trained again or overwritten
     assert "base run ->" not in out  # the finished base run too
     assert json.loads((folder / "probe.json").read_text())["answer"] == answer
+
+    # A snapshot lost with its branches: one line saying what to do, never an answer without them.
+    at = probe["checkpoints"][0]["samples"]
+    (folder / "base" / "snapshots" / f"samples_{at}.pt").unlink()
+    for lost in (folder / "branches").glob(f"*_at{at}_*"):
+        shutil.rmtree(lost)
+    (folder / "probe.json").unlink()
+    code, out, err = run_main_io(["probe", *PROBE, f"probe.dir={folder}"], capfd)
+    lines = err.strip().splitlines()
+    assert code == 2 and lines[-1].startswith(f"lbt: error: no snapshot {folder / 'base' / 'snapshots'}"), err
+    assert f"delete {folder / 'base'}" in lines[-1] and not (folder / "probe.json").exists()
+
+
+def test_a_snapshot_damaged_or_cut_off_is_refused_by_its_checksum(tmp_path):
+    from lbt.engine.checkpoint import checksum_path, load_snapshot, save_snapshot, snapshot_path
+    from lbt.errors import ConfigError
+
+    save_snapshot(tmp_path, 64, {"model": {"w": torch.arange(14.0)}})
+    assert load_snapshot(tmp_path, 64)["model"]["w"].sum() == 91
+    path = snapshot_path(tmp_path, 64)
+    state = torch.load(path, weights_only=True)
+    state["model"]["w"][::7] *= 2  # every 7th float doubled, the file otherwise whole
+    torch.save(state, path)
+    with pytest.raises(ConfigError, match="does not match its SHA-256: it is damaged"):
+        load_snapshot(tmp_path, 64)
+    checksum_path(path).unlink()
+    with pytest.raises(ConfigError, match="has no checksum"):
+        load_snapshot(tmp_path, 64)
+    save_snapshot(tmp_path, 64, {"model": {"w": torch.arange(14.0)}})  # a resumed base run writes it again
+    assert load_snapshot(tmp_path, 64)["model"]["w"].sum() == 91
 
 
 @pytest.mark.slow

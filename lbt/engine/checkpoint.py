@@ -409,27 +409,47 @@ def snapshot_path(run_dir: str | Path, samples: int) -> Path:
     return Path(run_dir) / "snapshots" / f"samples_{samples}.pt"
 
 
+def checksum_path(snapshot: Path) -> Path:
+    """A snapshot's SHA-256, beside it, as a checkpoint's manifest holds its files'."""
+    return snapshot.with_suffix(".sha256")
+
+
 def save_snapshot(run_dir: str | Path, samples: int, state: dict) -> None:
-    """Publish a snapshot whole (a branch never reads half of one); one written before is kept: the run
-    that wrote it was the same up to here (a resumed run is exact)."""
+    """Publish a snapshot whole (a branch never reads half of one), then its checksum; one written before with
+    its checksum is kept: the run that wrote it was the same up to here (a resumed run is exact)."""
     path = snapshot_path(run_dir, samples)
-    if path.exists():
+    if path.exists() and checksum_path(path).exists():
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, lambda f: torch.save(state, f))
+        atomic_write(checksum_path(path), lambda f: f.write(file_sha256(path).encode()))
     except OSError as error:
         raise ConfigError(f"cannot write snapshot {path}: {error.strerror or error}") from None
 
 
-def load_snapshot(run_dir: str | Path, samples: int) -> dict:
+def snapshot_problem(run_dir: str | Path, samples: int) -> str | None:
+    """Why the snapshot at `samples` cannot be branched from (missing, no checksum, or not matching it), or None."""
     path = snapshot_path(run_dir, samples)
     if not path.is_file():
         have = sorted(p.name for p in path.parent.glob("samples_*.pt")) if path.parent.is_dir() else []
-        raise ConfigError(f"trainer.branch_at={samples}: no snapshot {path}"
-                          + (f" (there: {', '.join(have)})" if have else " (the folder holds no snapshots)"))
+        return f"no snapshot {path}" + (f" (there: {', '.join(have)})" if have else " (the folder holds no snapshots)")
+    try:
+        expected = checksum_path(path).read_text().strip()
+    except OSError:
+        return f"snapshot {path} has no checksum ({checksum_path(path).name}): it was cut off while written"
+    if file_sha256(path) != expected:
+        return f"snapshot {path} does not match its SHA-256: it is damaged"
+    return None
+
+
+def load_snapshot(run_dir: str | Path, samples: int) -> dict:
+    path = snapshot_path(run_dir, samples)
+    problem = snapshot_problem(run_dir, samples)
+    if problem:
+        raise ConfigError(f"trainer.branch_at={samples}: {problem}")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # a truncated or foreign file: one line, not a pickle traceback
+    except Exception as error:  # a foreign file with a matching checksum: one line, not a pickle traceback
         raise ConfigError(f"snapshot {path} cannot be read ({type(error).__name__}); delete it and run the "
                           "base run again") from None

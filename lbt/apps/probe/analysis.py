@@ -26,12 +26,13 @@ def branch_dir(folder: Path, plan: ProbePlan, at: int, factor: int, seed: int, k
 
 def branch_result(folder: Path, plan: ProbePlan, at: int, factor: int, seed: int,
                   kind: str = "hold") -> RunResult | None:
-    """A finished branch's result (a failed job's too: it says why); None while it has none."""
+    """A finished branch's result; None while it has none, or when it failed (a failed branch is not a
+    finished one: it is run again, and a diverged one is finished)."""
     try:
         result = read_result(branch_dir(folder, plan, at, factor, seed, kind))
     except (ResultError, FileNotFoundError, OSError):
         return None
-    return None if result.stopped else result
+    return None if result.stopped or result.failed else result
 
 
 def branch_done(folder: Path, plan: ProbePlan, at: int, factor: int, seed: int, kind: str = "hold") -> bool:

@@ -39,6 +39,7 @@ from lbt.apps.probe.settings import ProbeSettings, split_args
 from lbt.apps.train import train_command
 from lbt.engine import make_spec
 from lbt.engine.build import build_data
+from lbt.engine.checkpoint import snapshot_problem
 from lbt.errors import ConfigError
 from lbt.metrics.text_log import CONSOLE
 from lbt.parallel.stop import job_stop_file
@@ -232,9 +233,16 @@ def run_branches(folder: Path, plan: ProbePlan, settings: ProbeSettings, overrid
                   f"dist.world_size={factor * plan.world_size}", f"trainer.seed={seed}",
                   f"trainer.branch_at={','.join(str(c) for c in todo)}"])
         raise_if_stopped()  # told to stop while a branch trained: the ones it did not start are left
-        if not all(branch_done(folder, plan, c, factor, seed, kind) for c in todo):
-            fail(f"branches did not finish (stopped?); continue the probe with: {again}")
+        for at in todo:
+            if not branch_done(folder, plan, at, factor, seed, kind):
+                fail(f"the branch in {branch_dir(folder, plan, at, factor, seed, kind)} did not finish: "
+                     f"{failure(branch_dir(folder, plan, at, factor, seed, kind))}; continue the probe with: {again}")
 
+    for at in plan.checkpoints:  # no answer comes from a missing or damaged snapshot
+        problem = snapshot_problem(base, at)
+        if problem:
+            fail(f"{problem}; delete {base} and run the same command: the base run and its snapshots are trained "
+                 "again (finished branches are kept)")
     for at, cool in zip(plan.checkpoints, plan.cooldowns):  # each its own length
         one_round("cooldown", [at], 1, plan.seeds[0], cool)
     base_result = read_result(base)
@@ -244,6 +252,13 @@ def run_branches(folder: Path, plan: ProbePlan, settings: ProbeSettings, overrid
             checkpoint_numbers(folder, plan, settings, c, base_result, points), settings, factor)]
         for seed in plan.seeds if factor == 1 else plan.seeds[:1]:
             one_round("hold", open_points, factor, seed, plan.branch_samples)
+
+
+def failure(run_dir: Path) -> str:
+    try:
+        return read_result(run_dir).error or "stopped"
+    except (ResultError, FileNotFoundError, OSError):
+        return "no result (stopped?)"
 
 
 def still_open(point: dict, settings: ProbeSettings, factor: int) -> bool:
