@@ -42,7 +42,7 @@ import sys
 import sysconfig
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lbt.apps.compose import compose
@@ -315,15 +315,28 @@ class Variant:
     cooldown: bool
     estimator: str = "progress"
 
-    def name(self, fractions: list[float]) -> str:
-        at = ",".join(f"{fractions[i]:.2f}" for i in self.checkpoints)
+    def name(self) -> str:
+        at = ",".join(f"{SNAPSHOTS[i]:.2f}" for i in self.checkpoints)
         return (f"snapshots {at}, branches {self.evals}/8 of 5%, {'cooldowns' if self.cooldown else 'no cooldowns'}, "
                 f"{self.estimator}")
 
 
-VARIANTS = [Variant(tuple(c), e, cool, est) for n in (1, 2, 3, 4) for c in itertools.combinations(range(4), n)
-            for e in (2, 4, 8) for cool in (True, False) for est in rules.ESTIMATORS]
+# The constants a probe rule is chosen by: which snapshots, how long the branches. The cooldowns and the
+# progress estimator are the design (docs/probe.md); --rescore also scores the chosen rule without them.
+VARIANTS = [Variant(tuple(c), e, True) for n in (1, 2, 3, 4) for c in itertools.combinations(range(4), n)
+            for e in (2, 4, 8)]
 SHARE_TARGET = 0.10
+
+
+SNAPSHOTS = (0.1, 0.176, 0.276, 0.5)  # where EVIDENCE_PROBE asks for its snapshots, as fractions of the budget
+
+
+def nearest(checkpoints: list[dict], wanted: tuple[int, ...]) -> list[dict]:
+    """The workload's snapshots nearest to SNAPSHOTS[i] for each wanted i, once each: a short epoch moves
+    snapshots to the step boundaries of the largest batch, and two may fall on one."""
+    picked = {min(range(len(checkpoints)), key=lambda j: abs(checkpoints[j]["fraction"] - SNAPSHOTS[i]))
+              for i in wanted}
+    return [checkpoints[j] for j in sorted(picked)]
 
 
 def score(probe_json: dict, runs: list[dict], variant: Variant) -> dict:
@@ -333,7 +346,7 @@ def score(probe_json: dict, runs: list[dict], variant: Variant) -> dict:
     metric, tolerance = metric_named(settings["metric"], "metric"), settings["tolerance"]
     budget, b0 = base["budget_samples"], base["global_batch"]
     factors = [2**i for i in range(int(math.log2(settings["max_factor"])) + 1)]
-    chosen = [probe_json["checkpoints"][i] for i in variant.checkpoints if i < len(probe_json["checkpoints"])]
+    chosen = nearest(probe_json["checkpoints"], variant.checkpoints)
     final = [float(budget), base[f"final_{metric.name}"]]
     index = 1 if metric.name == "acc" else 2
     if variant.cooldown:
@@ -380,20 +393,25 @@ def evidence(names: list[str]) -> dict[str, tuple[dict, dict]]:
     return found
 
 
+def factors_off(rows: dict[str, dict], swept: dict[str, int]) -> list[float]:
+    return [max(r["predicted"] / swept[n], swept[n] / r["predicted"]) for n, r in rows.items()]
+
+
 def worst(rows: dict[str, dict], swept: dict[str, int]) -> float:
-    return max(max(r["predicted"] / swept[n], swept[n] / r["predicted"]) for n, r in rows.items())
+    return max(factors_off(rows, swept))
 
 
 def choose(found: dict[str, tuple[dict, dict]], swept: dict[str, int], names: list[str]) -> Variant:
-    """The variant with the smallest worst factor over `names` among those within SHARE_TARGET there (then
-    the cheapest); every variant when none is."""
+    """The variant with the smallest worst factor over `names` among those within SHARE_TARGET there, then
+    the smallest mean factor (in doublings), then the cheapest; every variant when none is within."""
     scored = []
     for variant in VARIANTS:
         rows = {n: score(found[n][1], found[n][0]["runs"], variant) for n in names}
         share = max(r["share"] for r in rows.values())
-        scored.append((share > SHARE_TARGET, worst(rows, swept), share, variant.checkpoints, variant.evals,
-                       variant))
-    return min(scored, key=lambda t: t[:5])[-1]
+        off = factors_off(rows, swept)
+        scored.append((share > SHARE_TARGET, max(off), statistics.fmean(math.log2(f) for f in off), share,
+                       variant.checkpoints, variant.evals, variant))
+    return min(scored, key=lambda t: t[:6])[-1]
 
 
 def rescore(names: list[str]) -> list[str]:
@@ -405,8 +423,7 @@ def rescore(names: list[str]) -> list[str]:
     swept = {n: sweep_answer(sweep["runs"], metric_named(sweep["metric"], "metric"))[0] for n, (sweep, _) in
              found.items()}
     everywhere = choose(found, swept, list(found))
-    fractions = [c["fraction"] for c in next(iter(found.values()))[1]["checkpoints"]]
-    lines = [f"rule: {everywhere.name(fractions)} (chosen on all {len(found)} workloads)", "",
+    lines = [f"rule: {everywhere.name()} (chosen on all {len(found)} workloads)", "",
              "| workload | sweep answer | probe answer | factor | interval | probe share | left out: variant | "
              "left out: answer (factor) | confirmed | confirm runs | probe + confirm share |",
              "|---|---:|---:|---:|---|---:|---|---:|---:|---:|---:|"]
@@ -419,8 +436,13 @@ def rescore(names: list[str]) -> list[str]:
         factor = max(r["predicted"] / swept[name], swept[name] / r["predicted"])
         lo_factor = max(lo["predicted"] / swept[name], swept[name] / lo["predicted"])
         lines.append(f"| {name} | {swept[name]:,} | {r['predicted']:,} | {factor:.2f} | {r['low']:,}..{r['high']:,} | "
-                     f"{r['share']:.1%} | {without.name(fractions)} | {lo['predicted']:,} ({lo_factor:.2f}) | "
+                     f"{r['share']:.1%} | {without.name()} | {lo['predicted']:,} ({lo_factor:.2f}) | "
                      f"{r['confirmed']:,} | {r['confirm_runs']} | {r['confirm_share']:.1%} |")
+    for label, variant in (("without cooldowns (F from the base run's own curve)", replace(everywhere, cooldown=False)),
+                           ("with the first-crossing estimator", replace(everywhere, estimator="crossing"))):
+        other = {n: score(p, s["runs"], variant) for n, (s, p) in found.items()}
+        lines += ["", f"the same rule {label}: " + ", ".join(f"{n} {r['predicted']:,}" for n, r in other.items())
+                  + f"; worst factor {worst(other, swept):.2f}"]
     holds = sum(r["low"] <= swept[n] <= r["high"] and r["high"] <= 4 * r["low"] for n, r in rows.items())
     exact = sum(r["confirmed"] == swept[n] for n, r in rows.items())
     lines += ["", f"left-one-out worst factor: {worst(left, swept):.2f}",
