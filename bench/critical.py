@@ -321,10 +321,14 @@ class Variant:
                 f"{self.estimator}")
 
 
-# The constants a probe rule is chosen by: which snapshots, how long the branches. The cooldowns and the
-# progress estimator are the design (docs/probe.md); --rescore also scores the chosen rule without them.
-VARIANTS = [Variant(tuple(c), e, True) for n in (1, 2, 3, 4) for c in itertools.combinations(range(4), n)
-            for e in (2, 4, 8)]
+# The constant a probe rule is chosen by: which snapshots. Its branches are the evidence's whole ones, so the
+# probe lbt ships is exactly the one scored; the cooldowns and the progress estimator are the design
+# (docs/probe.md), and --rescore also scores the chosen rule without them.
+SUBSETS = [tuple(c) for n in (1, 2, 3, 4) for c in itertools.combinations(range(4), n)]
+VARIANTS = [Variant(c, 8, True) for c in SUBSETS]
+# Shorter branches, read as the first 2 or 4 of the 8 evaluations: the answer-vs-cost curve. Approximate: a
+# branch cut so re-warmed its LR over more of itself (20% of the whole one) than a short branch would.
+SHORTER = [Variant(c, e, True) for c in SUBSETS for e in (2, 4)]
 SHARE_TARGET = 0.10
 
 
@@ -414,6 +418,25 @@ def choose(found: dict[str, tuple[dict, dict]], swept: dict[str, int], names: li
     return min(scored, key=lambda t: t[:6])[-1]
 
 
+def cost_curve(found: dict[str, tuple[dict, dict]], swept: dict[str, int]) -> list[str]:
+    """For each branch length (whole, and the approximate shorter ones), the best worst factor reached within
+    each share of the sweep's compute."""
+    lines = []
+    for evals in (8, 4, 2):
+        points = []
+        for subset in SUBSETS:
+            rows = {n: score(p, s["runs"], Variant(subset, evals, True)) for n, (s, p) in found.items()}
+            points.append((max(r["share"] for r in rows.values()), worst(rows, swept), Variant(subset, evals, True)))
+        frontier, best = [], math.inf
+        for share, factor, variant in sorted(points, key=lambda t: (t[0], t[1])):
+            if factor < best:
+                best = factor
+                frontier.append(f"{share:.1%}: x{factor:.2f} ({variant.name()})")
+        lines.append(f"- branches {evals}/8 of the evidence's{'' if evals == 8 else ' (approximate)'}: "
+                     + "; ".join(frontier))
+    return lines
+
+
 def rescore(names: list[str]) -> list[str]:
     """Every workload's sweep answer and the probe's, from bench/results/critical/ alone; the variant is the
     one chosen on all workloads, and each workload is also scored by the variant chosen without it."""
@@ -443,6 +466,8 @@ def rescore(names: list[str]) -> list[str]:
         other = {n: score(p, s["runs"], variant) for n, (s, p) in found.items()}
         lines += ["", f"the same rule {label}: " + ", ".join(f"{n} {r['predicted']:,}" for n, r in other.items())
                   + f"; worst factor {worst(other, swept):.2f}"]
+    lines += ["", "answer vs cost, every snapshot subset (worst factor over the workloads, largest share):",
+              *cost_curve(found, swept)]
     holds = sum(r["low"] <= swept[n] <= r["high"] and r["high"] <= 4 * r["low"] for n, r in rows.items())
     exact = sum(r["confirmed"] == swept[n] for n, r in rows.items())
     lines += ["", f"left-one-out worst factor: {worst(left, swept):.2f}",
