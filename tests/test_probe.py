@@ -294,3 +294,21 @@ def test_probe_rules_pairs_the_rules_branch_by_branch(monkeypatch):
                        "| held linear |")
     assert rows[2] == "| 1,000 | +0.50 | +1.50 | +2.00 | +4.00 | - | diverged | 256 | 128 |"
     assert rows[3] == "| 2,000 | +0.10 | -0.40 | +0.30 | +0.20 | +3.00 | +0.50 | 512 | 512 |"
+
+
+def test_a_second_probe_on_a_folder_in_use_is_one_line_naming_the_first(tmp_path, capfd, monkeypatch):
+    """Two probes on one probe.dir: the second deleted the first's running branch folder, and the first
+    crashed with tracebacks. The folder's lock is held for the probe's whole life."""
+    from lbt.apps.probe.command import claim_folder
+    from lbt.apps.probe.settings import split_args
+    from lbt.paths import folder_lock
+
+    monkeypatch.chdir(tmp_path)
+    args = [*PROBE, f"probe.dir={tmp_path / 'probe'}"]
+    settings, overrides = split_args(args)
+    claim_folder(tmp_path / "probe", settings, overrides)  # the first probe, running
+    with folder_lock(tmp_path / "probe"):
+        code, err = run_main(["probe", *args], capfd)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "is in use by pid" in lines[0], err
+    assert not (tmp_path / "probe" / "base").exists()

@@ -25,7 +25,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from lbt.apps.compose import compose
@@ -43,7 +43,7 @@ from lbt.engine.checkpoint import snapshot_problem
 from lbt.errors import ConfigError
 from lbt.metrics.text_log import CONSOLE
 from lbt.parallel.stop import job_stop_file
-from lbt.paths import atomic_write
+from lbt.paths import atomic_write, folder_lock
 from lbt.spec.result import ResultError, read_result
 from lbt.spec.run import RunSpec
 
@@ -84,6 +84,23 @@ def probe_command(args: list[str]) -> None:
     claim_folder(folder, settings, overrides)
     given = [a for a in args if a.startswith("probe.") and not a.startswith("probe.dir=")]
     again = f"lbt probe {' '.join([*overrides, *given])} probe.dir={folder}"
+    with ExitStack() as held:
+        try:  # two probes on one folder: the second gets one line naming the first
+            held.enter_context(folder_lock(folder))
+        except ConfigError as error:
+            fail(str(error))
+        probe = run_probe(folder, spec, plan, settings, overrides, again)
+        probe["cost"]["command_seconds"] = round(time.perf_counter() - started, 1)  # this invocation
+        write_outputs(folder, probe)
+    print(f"probe finished in {time.perf_counter() - started:.0f} s: {probe['answer']['sentence']}")
+    if "confirm" in probe:
+        print(f"probe: {probe['confirm']['sentence']} (probe and runs: {probe['confirm']['share']:.0%} of a sweep)")
+    print(f"report: {(folder / 'probe.md').resolve()}")
+
+
+def run_probe(folder: Path, spec: RunSpec, plan: ProbePlan, settings: ProbeSettings, overrides: list[str],
+              again: str) -> dict:
+    """The base run, its branches, the analysis and the confirm runs; stopped, one line and the signal's code."""
     try:
         with stop_between_runs(), branches_stop_with_the_probe(folder):
             with console("silent"):  # the timed steps say nothing (each job's train.log has all it says)
@@ -104,12 +121,7 @@ def probe_command(args: list[str]) -> None:
     except (Stopped, KeyboardInterrupt) as stop:
         print(f"\nlbt: probe stopped; finished runs are kept. Continue with: {again}", file=sys.stderr)
         sys.exit(128 + (stop.signum if isinstance(stop, Stopped) else signal.SIGINT))
-    probe["cost"]["command_seconds"] = round(time.perf_counter() - started, 1)  # this invocation (a rerun reads)
-    write_outputs(folder, probe)
-    print(f"probe finished in {time.perf_counter() - started:.0f} s: {probe['answer']['sentence']}")
-    if "confirm" in probe:
-        print(f"probe: {probe['confirm']['sentence']} (probe and runs: {probe['confirm']['share']:.0%} of a sweep)")
-    print(f"report: {(folder / 'probe.md').resolve()}")
+    return probe
 
 
 @contextmanager
