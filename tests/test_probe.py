@@ -35,7 +35,7 @@ def test_snapshots_do_not_change_the_run_and_a_k1_branch_continues_it_exactly(tm
     train(plain, BASE)
     base = base_run(tmp_path, [256, 768])
     assert torch.equal(final_params(plain), final_params(base))  # a measurement never changes the run
-    assert sorted(p.name for p in (base / "snapshots").iterdir()) == ["samples_256.pt", "samples_768.pt"]
+    assert sorted(p.name for p in (base / "snapshots").glob("*.pt")) == ["samples_256.pt", "samples_768.pt"]
     k1 = branch(tmp_path, base, "k1", 256, 512, [])
     later = torch.load(base / "snapshots" / "samples_768.pt", weights_only=True)["model"]
     assert torch.equal(final_params(k1), torch.cat([v.flatten().double() for _, v in sorted(later.items())]))

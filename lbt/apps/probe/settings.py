@@ -15,11 +15,13 @@ from lbt.spec.validate import integer, number
 
 @dataclass(frozen=True)
 class ProbeSettings:
-    checkpoints: int = 2  # K snapshots of the base run, log-uniform in samples seen from `first` to `last`
-    first: float = 0.2  # of the budget
+    # The defaults are the probe bench/critical.py chose on its workloads (bench/README.md): one snapshot at
+    # 29% of the budget, held-LR branches of 5%, cooldowns of 20%.
+    checkpoints: int = 1  # K snapshots of the base run, log-uniform in samples seen from `first` to `last`
+    first: float = 0.29  # of the budget
     last: float = 0.5
     max_factor: int = 128  # branches at k x the base batch, k = 1, 2, 4, ... up to this
-    delta: float = 0.03  # each held-LR branch's samples, as a fraction of the budget (at least 2 largest steps)
+    delta: float = 0.05  # each held-LR branch's samples, as a fraction of the budget (at least 2 largest steps)
     cooldown: float = 0.2  # k=1 cooldowns from each snapshot, as a fraction of its samples (0: none)
     seeds: int = 1  # k=1 held-LR branches with different data orders at each checkpoint (2+: a noise floor)
     metric: str = "acc"  # the study's criterion: acc (points) or loss (nats)
