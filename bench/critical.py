@@ -332,7 +332,7 @@ SHORTER = [Variant(c, e, True) for c in SUBSETS for e in (2, 4)]
 SHARE_TARGET = 0.10
 
 
-SNAPSHOTS = (0.1, 0.176, 0.276, 0.5)  # where EVIDENCE_PROBE asks for its snapshots, as fractions of the budget
+SNAPSHOTS = tuple(0.1 * 5 ** (i / 3) for i in range(4))  # where EVIDENCE_PROBE asks for snapshots: 0.1 .. 0.5
 
 
 def nearest(checkpoints: list[dict], wanted: tuple[int, ...]) -> list[dict]:
@@ -362,11 +362,12 @@ def score(probe_json: dict, runs: list[dict], variant: Variant) -> dict:
     per_checkpoint, cost = [], float(budget)
     for c in chosen:
         mine = [b for b in c["branches"] if b["seed"] == c["base_seed"]]
-        curves = {b["factor"]: [(s, math.inf if v is None else v) for s, v in b["curve"][:variant.evals]]
-                  for b in mine}
-        # A branch cut before its divergence had not diverged; one that diverged before the cut had.
-        diverged = [b["factor"] for b in mine if len(b["curve"]) < variant.evals
-                    or (b["diverged"] and len(b["curve"]) == variant.evals)]
+        # A branch cut at its j-th of 8 evaluations: its points up to j/8 of its samples (an epoch's end adds one);
+        # cut before its divergence it had not diverged, and one that diverged before the cut had.
+        delta_b = max(b["samples"] for b in mine if b["factor"] == 1)
+        cut = delta_b * variant.evals / 8 + 0.5 * b0 * factors[-1]
+        curves = {b["factor"]: [(s, math.inf if v is None else v) for s, v in b["curve"] if s <= cut] for b in mine}
+        diverged = [b["factor"] for b in mine if b["diverged"] and (variant.evals == 8 or b["samples"] <= cut)]
         per_checkpoint.append(rules.checkpoint_ratios(c["start"]["loss"], curves, diverged, b0, factors,
                                                       variant.estimator))
     found = rules.predict([c["samples"] for c in chosen], per_checkpoint, points, budget, tolerance, metric)
