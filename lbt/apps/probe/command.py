@@ -56,7 +56,7 @@ predicted from one base run and short branches from its snapshots instead of a f
   lbt probe recipe=goyal2017 model=mlp       any `lbt train` override sets the base run
   lbt probe hydra/launcher=local_parallel    branches side by side (submitit on SLURM)
   probe.dir=runs/probe/mine                  where it goes; the same command continues it
-  probe.checkpoints=1 probe.first=0.29 probe.last=0.5  snapshots, log-uniform in the budget
+  probe.checkpoints=2 probe.first=0.171 probe.last=0.5  snapshots, log-uniform in the budget
   probe.max_factor=128 probe.delta=0.05      held-LR branches at k x the base batch, each 5% of the budget
   probe.cooldown=0.2                         k=1 cooldowns of 20% of each snapshot's samples (0: none)
   probe.seeds=1                              k=1 branches over data orders (2+: a noise floor)

@@ -15,10 +15,10 @@ from lbt.spec.validate import integer, number
 
 @dataclass(frozen=True)
 class ProbeSettings:
-    # The defaults are the probe bench/critical.py chose on its workloads (bench/README.md): one snapshot at
-    # 29% of the budget, held-LR branches of 5%, cooldowns of 20%.
-    checkpoints: int = 1  # K snapshots of the base run, log-uniform in samples seen from `first` to `last`
-    first: float = 0.29  # of the budget
+    # The defaults are the probe bench/critical.py chose on its workloads (bench/README.md): snapshots at 17%
+    # and 50% of the budget, held-LR branches of 5%, cooldowns of 20%.
+    checkpoints: int = 2  # K snapshots of the base run, log-uniform in samples seen from `first` to `last`
+    first: float = 0.171  # of the budget
     last: float = 0.5
     max_factor: int = 128  # branches at k x the base batch, k = 1, 2, 4, ... up to this
     delta: float = 0.05  # each held-LR branch's samples, as a fraction of the budget (at least 2 largest steps)
