@@ -113,17 +113,15 @@ def markdown(probe: dict[str, Any]) -> str:
              f"snapshot's samples; judged by {metric.label} within {settings['tolerance']:g} {metric.unit}(s).", "",
              f"Cost: {cost['samples']:,} samples in {cost['branches']} branches and the base run = "
              f"{cost['share']:.0%} of the sweep it replaces ({cost['sweep_samples']:,} samples); "
-             f"{cost['run_seconds']:.0f} s of runs here (their wall times summed; side by side they take less).",
-             "",
+             f"{cost['run_seconds']:.0f} s of runs here (their wall times summed; side by side they take less).", "",
              "## How the answer is read", "",
              "At a fixed budget E, a run at batch B makes the progress the base batch makes with E / r(B) samples "
              "(McCandlish et al. 2018), so it ends where a base-batch run of E / r(B) samples ends: F(E / r(B)). "
-             "r(B) is each checkpoint's samples ratio (how many samples the k=1 branch needed to reach each "
-             "branch's val loss, per sample the branch spent), averaged over the checkpoints with each one's share "
-             "of training as its weight; F is the final value against the budget, from the cooldowns and the base "
-             f"run's end ({cooled}). A batch holds when F(E / r(B)) is within the tolerance of F(E) and none of its "
-             "branches diverged; the interval is one doubling either side, as far as the prediction has been from "
-             "full sweeps (bench/critical.py).",
+             "r(B): the k=1 branch's val loss decrease over the batch-B branch's, from the same start over the same "
+             "samples, averaged over the checkpoints by each one's share of training; F: the final value against "
+             f"the budget, from the cooldowns and the base run's end ({cooled}). A batch holds when F(E / r(B)) is "
+             "within the tolerance of F(E) and none of its branches diverged; the interval is one doubling either "
+             "side, as far as the prediction has been from full sweeps (bench/critical.py).",
              "", "| global batch | samples ratio r | effective samples E / r | predicted shortfall | holds |",
              "|---:|---:|---:|---:|---|"]
     for batch, p in probe["prediction"].items():
