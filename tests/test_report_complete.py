@@ -317,3 +317,31 @@ def test_two_jobs_of_one_cell_keep_apart_in_tensorboard():
             Job("2", None, RunResult(recipe="lars", world_size=8, tensor_parallel=2, global_batch=128), series="lars")]
     assert run_names(jobs) == ["lars_optim.lr=0.2_W4_B128_seed0_a_1", "lars_optim.lr=0.2_W4_B128_seed0_b_1",
                                "lars_W8_T2_B128_seed0"]
+
+
+def test_a_full_disk_while_reporting_leaves_the_old_report_whole(tmp_path):
+    """`(ulimit -f 4; lbt report DIR)` cut the old complete report mid-table: report.md was written in place.
+    Every file the report writes goes through the atomic writer: a failed write leaves the old one."""
+    import json
+    import resource
+    import signal
+
+    from test_study import _job
+
+    from lbt.apps.report import write_report
+
+    for n, (world_size, accs) in enumerate([(1, [0.8, 0.95]), (4, [0.7, 0.93]), (16, [0.5, 0.9])]):
+        _job(tmp_path / str(n), "baseline", world_size, 0, accs, b_simple=200.0, test=accs[-1])
+    write_report(tmp_path)
+    before = {name: (tmp_path / name).read_bytes() for name in ("report.md", "summary.json")}
+    assert len(before["report.md"]) > 4096 and json.loads(before["summary.json"])
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+    try:
+        with pytest.raises(OSError):
+            write_report(tmp_path, target=0.9)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before

@@ -12,6 +12,8 @@ matplotlib.use("Agg")  # files only: lbt runs on machines without a screen
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
+from lbt.paths import atomic_write
+
 
 def figure(columns: int = 1, width: float = 7.0, height: float = 4.5) -> tuple[Any, Any]:
     """A new figure with `columns` axes side by side: (figure, axes or tuple of axes)."""
@@ -32,6 +34,6 @@ def save_figure(fig: Any, path: str | Path, title: str | None = None, dpi: int =
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
+    atomic_write(path, lambda f: fig.savefig(f, dpi=dpi, format="png"))
     plt.close(fig)
     return path

@@ -36,6 +36,7 @@ from torch.utils.data import Dataset
 
 from lbt.data.base import DataShape, DataSplits
 from lbt.errors import ConfigError
+from lbt.paths import atomic_write
 from lbt.spec.validate import integer
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -228,5 +229,5 @@ def write_byte_tokens(text_file: str, out_dir: str, val_fraction: float = 0.1,
                     raw = stream.read(min(chunk_bytes, count - start))
                     np.frombuffer(raw, dtype=np.uint8).astype(np.uint16).tofile(sink)
     meta = {"vocab_size": BYTE_VOCAB, "dtype": "uint16", "tokenizer": "bytes", "source": str(source)}
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    atomic_write(out / "meta.json", lambda f: f.write((json.dumps(meta, indent=2) + "\n").encode()))
     return {"train.bin": size - n_val, "val.bin": n_val}

@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 from lbt.errors import ConfigError
 from lbt.parallel.process_group import HOST
 from lbt.parallel.stop import ask_stop, job_stop_file
+from lbt.paths import atomic_write
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 ERRORS = "LBT_WORKER_ERRORS"  # the folder a spawned worker reports its failure into (set by launch_local)
@@ -167,7 +168,7 @@ def report_failure(rank: int, message: str, retry: bool, lost_peers: bool = Fals
         return
     report = {"message": message, "retry": retry, "lost_peers": lost_peers, "time": time.time()}
     try:
-        (Path(folder) / f"rank{rank}.json").write_text(json.dumps(report))
+        atomic_write(Path(folder) / f"rank{rank}.json", lambda f: f.write(json.dumps(report).encode()))
     except OSError:
         pass  # the parent still names the rank and its exit code
 

@@ -41,6 +41,7 @@ from lbt.apps.report.tensorboard import write_tensorboard
 from lbt.apps.report.trust import judge_study
 from lbt.apps.study_folder import expected_jobs
 from lbt.errors import ConfigError
+from lbt.paths import atomic_write
 from lbt.spec.objective import metric_named
 
 __all__ = ["Job", "Row", "aggregate", "answer_lines", "default_target", "gpu_answer", "load_jobs", "write_report"]
@@ -64,8 +65,8 @@ def write_report(study_dir: str | Path, target: float | None = None, tolerance: 
         answer["time_to_accuracy"] = time_to_accuracy(rows, answer, jobs, network, step_ms)
     hybrid = hybrid_points(rows, jobs, hybrid_caps(answer, hybrid_cap), judge)
     beside = None if trust.withheld else probe_beside(study_dir, jobs, answer)
-    (study_dir / "report.md").write_text(markdown(rows, target, crit, answer, judge, hybrid,
-                                                  hybrid_cap is not None, trust, probe_lines(beside)))
+    text = markdown(rows, target, crit, answer, judge, hybrid, hybrid_cap is not None, trust, probe_lines(beside))
+    atomic_write(study_dir / "report.md", lambda f: f.write(text.encode()))  # a full disk keeps the old one
     curves, gpus = f"{judge.label}_vs_batch.png", f"{judge.label}_vs_gpus.png"
     vertical_lines = plot_metric_vs_batch(rows, crit, study_dir / curves, judge, measured, trust.withheld)
     files = ["report.md", curves, "steps_to_target.png", "gns_over_training.png", "summary.json", SUMMARY_DIR]
@@ -94,7 +95,7 @@ def write_report(study_dir: str | Path, target: float | None = None, tolerance: 
         "rows": [asdict(r) for r in rows],
         "jobs": [job_summary(job) for job in jobs],
     }
-    (study_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    atomic_write(study_dir / "summary.json", lambda f: f.write(json.dumps(summary, indent=2).encode()))
     return summary
 
 
