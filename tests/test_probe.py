@@ -312,3 +312,16 @@ def test_a_second_probe_on_a_folder_in_use_is_one_line_naming_the_first(tmp_path
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "is in use by pid" in lines[0], err
     assert not (tmp_path / "probe" / "base").exists()
+
+
+def test_a_rerun_that_adds_a_setting_is_refused_naming_it(tmp_path, capfd, monkeypatch):
+    """A rerun that added `probe.tolerance=1` ended in a TypeError (None against 1.0): one line naming it."""
+    from lbt.apps.probe.command import claim_folder
+    from lbt.apps.probe.settings import split_args
+
+    monkeypatch.chdir(tmp_path)
+    args = [*PROBE, f"probe.dir={tmp_path / 'probe'}"]
+    claim_folder(tmp_path / "probe", *split_args(args))
+    code, err = run_main(["probe", *args, "probe.tolerance=1"], capfd)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "it differs in probe.tolerance)" in lines[0], err

@@ -170,8 +170,9 @@ def claim_folder(folder: Path, settings: ProbeSettings, overrides: list[str]) ->
     if path.is_file():
         saved = json.loads(path.read_text())
         if saved != record:
-            changed = sorted({*saved["settings"].items()} ^ {*record["settings"].items()})
-            what = ", ".join(sorted({f"probe.{k}" for k, _ in changed})) or "the overrides"
+            keys = {*saved["settings"], *record["settings"]}  # by key: a None and a number do not sort together
+            what = ", ".join(sorted(f"probe.{k}" for k in keys
+                                    if saved["settings"].get(k) != record["settings"].get(k))) or "the overrides"
             fail(f"{folder} holds another probe (it differs in {what}): give another probe.dir, "
                  f"or the same command to continue it")
     elif folder.exists() and any(folder.iterdir()):
