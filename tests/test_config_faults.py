@@ -143,3 +143,13 @@ def test_a_data_file_must_be_a_regular_file_that_fits(tmp_path):
     assert data_file("data.path", str(big))[1] == 1000
     with pytest.raises(ConfigError, match="GiB is free"):
         data_file("data.path", str(big), bytes_in_memory=1e15)
+
+
+def test_a_seed_past_64_bits_is_one_line(capfd):
+    """`trainer.seed=99999999999999999999999` ended in torch's "Overflow when unpacking long long"."""
+    from test_cli_errors import run_main
+
+    code, err = run_main(["train", "trainer.seed=99999999999999999999999", "data=synthetic", "--cfg", "job"], capfd)
+    lines = err.strip().splitlines()
+    assert code == 2 and lines == ["lbt: error: trainer.seed must be an integer from 0 to 9,223,372,036,854,775,807, "
+                                   "got 99999999999999999999999"], err

@@ -293,3 +293,16 @@ def test_from_study_without_an_answer_is_one_line(tmp_path, capsys):
     (study / "summary.json").write_text(json.dumps({"critical_batch": {"fit": None, "gns": 100.0}}))
     assert plan_main(["--model", "mlp", "--step-ms", "5", "--from-study", str(study)]) == 2
     assert "holds no answer of the study" in capsys.readouterr().err
+
+
+def test_numbers_out_of_range_are_one_line(tmp_path, capsys):
+    """`--step-ms 1e308` was an OverflowError, a per-worker batch of 10^20 reached torch as C++ frames, and
+    `--critical-batch -1` was accepted."""
+    png = f"--out={tmp_path / 'r.png'}"
+    for args, says in ((["--step-ms", "1e308"], "--step-ms must be a positive time in ms up to 10,000,000"),
+                       (["--step-ms", "inf"], "--step-ms must be a positive time"),
+                       (["--per-worker-batch", "99999999999999999999"], "--per-worker-batch must be at most"),
+                       (["--step-ms", "2", "--critical-batch", "-1"], "--critical-batch must be a positive")):
+        assert plan_main(["--model", "mlp", *args, png]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("lbt: error: ") and says in err, err

@@ -25,6 +25,7 @@ from lbt.spec.validate import integer, number, one_of
 
 # Upper bounds that catch typos (an extra zero or two) before they cost hours or memory.
 MAX_EPOCHS = 100_000
+MAX_SEED = 2**63 - 1  # torch's generators take a signed 64-bit seed
 MAX_LOCAL_PROCS = 256
 MAX_THREADS = 1024
 MAX_LOADER_WORKERS = 256
@@ -78,6 +79,7 @@ class TrainerSpec:
     def check(self) -> TrainerSpec:
         """Range checks the schema's types cannot express."""
         integer("trainer.epochs", self.epochs, 1, MAX_EPOCHS)
+        integer("trainer.seed", self.seed, 0, MAX_SEED)
         integer("trainer.log_every", self.log_every)
         integer("trainer.evals", self.evals, 0, 10_000)
         integer("trainer.checkpoint_every", self.checkpoint_every, 0)

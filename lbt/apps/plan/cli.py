@@ -4,6 +4,7 @@ split table (lbt/cost/tensor_parallel.py); `plan_main(argv)` returns the exit co
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,9 @@ from lbt.engine.build import data_shape
 from lbt.errors import ConfigError
 from lbt.spec.result import RunResult
 from lbt.spec.targets import Target
+
+MAX_STEP_MS = 10_000_000  # ms: a step of under 3 hours; larger ones overflowed the time arithmetic
+MAX_PER_WORKER_BATCH = 1 << 24  # samples per GPU; larger ones reached torch as C++ errors
 
 EPILOG = """examples:
   lbt plan --model resnet20 --data cifar10 --per-worker-batch 128 --network 25gbe
@@ -333,8 +337,12 @@ def check_options(options: argparse.Namespace) -> None:
     if options.from_result and (options.model or options.data or options.overrides):
         raise ValueError("--from-result takes the model and data of its run: give --model/--data (and their "
                          "overrides) or --from-result, not both")
-    if options.step_ms is not None and not options.step_ms > 0:
-        raise ValueError(f"--step-ms must be a positive time in ms, got {options.step_ms}")
+    if options.step_ms is not None and not 0 < options.step_ms <= MAX_STEP_MS:
+        raise ValueError(f"--step-ms must be a positive time in ms up to {MAX_STEP_MS:,}, got {options.step_ms:g}")
+    if options.per_worker_batch is not None and options.per_worker_batch > MAX_PER_WORKER_BATCH:
+        raise ValueError(f"--per-worker-batch must be at most {MAX_PER_WORKER_BATCH:,}, got {options.per_worker_batch}")
+    if getattr(options, "critical_batch", None) is not None and not 0 < options.critical_batch < math.inf:
+        raise ValueError(f"--critical-batch must be a positive global batch, got {options.critical_batch:g}")
     if options.gpu and options.step_ms is not None:
         raise ValueError("--gpu predicts the step time that --step-ms gives: give one of them")
     if not options.gpu and (options.precision or options.utilization != DEFAULT_UTILIZATION):
