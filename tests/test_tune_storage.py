@@ -234,3 +234,30 @@ def test_two_tune_commands_on_a_postgresql_server(tmp_path, postgres, one_worker
 def test_open_storage_refuses_what_it_cannot_read(tmp_path):
     with pytest.raises(ConfigError, match="got 'mysql'"):
         open_storage("mysql", tmp_path, 1)
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")
+@pytest.mark.parametrize("name", ["sqlite", "journal"])
+@pytest.mark.parametrize("dead", [0, 1, 2])
+def test_a_dead_workers_trial_is_retried_at_its_own_slot_with_its_own_point(tmp_path, name, dead):
+    """Start a tune twice on one tune.dir and `kill -9` the worker of a running trial: the survivor reran it
+    with the next trial's point (lr 2.575, 2.575, 0.2485 instead of 0.2122, 2.575, 0.2485), because the free
+    slot was counted, not read. A retried trial draws exactly its own slot's point, whichever slot died."""
+    from lbt.apps.tune.grid import tune_grid
+    from lbt.apps.tune.trials import claim_trial
+
+    grid = tune_grid(["model=mlp", "data=synthetic", "data.val_fraction=0.1", "recipe=baseline", "dist.world_size=1",
+                      "tune.trials=3",
+                      "tune.pruner=none", f"tune.dir={tmp_path / 'tune'}"])
+    cell = grid.cells[0]
+    store = open_storage(name, tmp_path / "tune", 10)
+    study = optuna.create_study(storage=store.optuna, study_name=cell.name)
+    claims, points = [], []
+    for _ in range(3):  # each worker draws its point right after its claim, as run_trial does
+        claims.append(claim_trial(grid, cell, study, store))
+        points.append(claims[-1].trial.suggest_float("lr", 1e-3, 10.0, log=True))
+    assert [claim.slot for claim in claims] == [0, 1, 2] and len(set(points)) == 3
+    store.optuna.set_trial_state_values(claims[dead].trial._trial_id, state=optuna.trial.TrialState.FAIL)  # gone
+    retry = claim_trial(grid, cell, study, store)
+    assert retry.slot == dead and retry.trial.suggest_float("lr", 1e-3, 10.0, log=True) == points[dead]
+    assert claim_trial(grid, cell, study, store) is None  # every slot is held again

@@ -27,6 +27,8 @@ from lbt.spec.objective import ACC, Metric
 from lbt.spec.result import EvalPoint, RunResult
 from lbt.techniques.base import Technique
 
+SLOT = "slot"  # a trial's user attribute: which of the cell's tune.trials slots it fills
+
 # Overrides that change how a run is shown, not what it measures: a tune continued with others is the same tune.
 PRESENTATION_KEYS = ("trainer.threads", "trainer.progress")
 TrialState = optuna.trial.TrialState
@@ -144,8 +146,8 @@ def claim_trial(grid: TuneGrid, cell: Cell, study: optuna.Study, storage: TuneSt
             print(f"[{cell.name}] trial {number}: its worker is gone (no heartbeat for {storage.grace} s); "
                   "it is run again as a new trial", flush=True)
         held = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, TrialState.WAITING)
-        slot = len(study.get_trials(deepcopy=False, states=held))
-        if slot >= s.trials:
+        slot = free_slot(study.get_trials(deepcopy=False, states=held), s.trials)
+        if slot is None:
             return None
         # Seeded per slot, so a trial redone after an interruption draws what it drew then (in the random
         # startup trials at least); the seed is hashed from (tune.seed, slot), since consecutive seeds give
@@ -156,8 +158,19 @@ def claim_trial(grid: TuneGrid, cell: Cell, study: optuna.Study, storage: TuneSt
             warnings.filterwarnings("ignore", "Heartbeat of storage")
             study.sampler = sampler(s, search, slot)
             trial = study.ask()
+        trial.set_user_attr(SLOT, slot)
         mark_mine(storage, trial)
     return Claim(trial, slot, armed=finished >= s.prune_startup_trials, search=search)
+
+
+def free_slot(held: list[optuna.trial.FrozenTrial], slots: int) -> int | None:
+    """The lowest slot no held trial holds (each records its own; one without, from an older lbt, holds the
+    lowest free one in trial order), or None when all are held. Counting the held trials instead gave a dead
+    trial's retry the next trial's slot, so one point ran twice and another never."""
+    taken: set[int] = {t.user_attrs[SLOT] for t in held if isinstance(t.user_attrs.get(SLOT), int)}
+    for _ in (t for t in sorted(held, key=lambda t: t.number) if not isinstance(t.user_attrs.get(SLOT), int)):
+        taken.add(min(k for k in range(len(held) + 1) if k not in taken))
+    return next((k for k in range(slots) if k not in taken), None)
 
 
 def sampler(s: Settings, search: int, slot: int) -> optuna.samplers.BaseSampler:
