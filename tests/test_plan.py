@@ -169,7 +169,7 @@ def test_compute_from_result(tmp_path):
               "data": {"_target_": "lbt.data.build_synthetic", "num_train": 512, "input_shape": [40],
                        "num_classes": 10}}
     path = write_result(tmp_path, RunResult(samples_per_sec=6400.0, per_worker_batch=64, world_size=4, procs=1,
-                                            config=config))
+                                            global_batch=256, final_acc=0.9, final_loss=0.3, config=config))
     compute, model, shape = compute_from_result(path)
     # step = 256 samples / 6400 samples/s = 40 ms for 4 simulated workers: 10 ms each.
     assert compute.total_s == pytest.approx(0.01)

@@ -52,7 +52,7 @@ def custom_run(folder, dataset: str, val_fraction: float = 0.0, precision: str =
     folder.mkdir(parents=True)
     return str(write_result(folder, RunResult(recipe="baseline", samples_per_sec=6400.0, per_worker_batch=64,
                                               world_size=1, procs=1, global_batch=64, steps_per_epoch=24,
-                                              config=config)))
+                                              final_acc=0.9, final_loss=0.3, config=config)))
 
 
 # -- N --------------------------------------------------------------------------------------------------
@@ -254,7 +254,8 @@ def test_from_study_takes_the_runs_recipe_answer(tmp_path, capsys):
                                      "num_classes": 10}}
     (tmp_path / "run").mkdir()
     run = write_result(tmp_path / "run", RunResult(recipe="baseline", samples_per_sec=3200.0, per_worker_batch=32,
-                                                   world_size=1, procs=1, config=config))
+                                                   world_size=1, procs=1, global_batch=32, final_acc=0.9,
+                                                   final_loss=0.3, config=config))
     assert plan_main(["--from-result", str(run), "--from-study", str(study), "--max-workers", "16"]) == 0
     printed = capsys.readouterr().out
     assert lines(printed, "critical batch: ") == [

@@ -223,7 +223,7 @@ def test_plan_tensor_parallel_from_a_result(tmp_path, capsys):
               "data": {"_target_": "lbt.data.build_synthetic", "num_train": 4096, "input_shape": [40],
                        "num_classes": 10}}
     path = write_result(tmp_path, RunResult(samples_per_sec=6400.0, per_worker_batch=64, world_size=1, procs=1,
-                                            config=config))
+                                            global_batch=64, final_acc=0.9, final_loss=0.3, config=config))
     assert plan_main(["--from-result", str(path), "--tensor-parallel", "2", "--max-workers", "4"]) == 0
     printed = capsys.readouterr().out
     assert "lbt.models.MLP's layer 1 (Linear 40 -> 256), split by its 256 outputs; layer 3 (Linear 256 -> 256), " \

@@ -345,3 +345,33 @@ def test_a_full_disk_while_reporting_leaves_the_old_report_whole(tmp_path):
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, previous)
     assert {name: (tmp_path / name).read_bytes() for name in before} == before
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("final_val_acc", float("nan"), "final_val_acc is nan, outside [0, 1]"),
+    ("final_val_acc", 1e308, "final_val_acc is 1e+308, outside [0, 1]"),
+    ("final_val_acc", "0.9", "final_val_acc is '0.9', not a number"),
+    ("global_batch", -64, "global_batch is -64, not a positive whole number"),
+    ("global_batch", 0, "global_batch is 0, not a positive whole number"),
+    ("global_batch", "64", "global_batch is '64', not a positive whole number"),
+    ("world_size", [1], "world_size is [1], not a positive whole number"),
+])
+def test_a_result_with_a_bad_field_is_a_failed_job_and_the_answer_is_withheld(tmp_path, key, value, says):
+    """`final_val_acc: NaN` gave "Answer: up to 4 GPUs" from another recipe's base, `global_batch: -64` a critical
+    batch of -64, and wrong types tracebacks (1e308 wrote "inf%" first). The one result reader checks every
+    field's type and range: such a job has failed, is named, and no answer comes from the study."""
+    import json
+
+    from test_study import _job
+
+    from lbt.apps.report import write_report
+
+    for n, (world_size, accs) in enumerate([(1, [0.8, 0.95]), (4, [0.7, 0.945]), (16, [0.5, 0.90])]):
+        _job(tmp_path / str(n), "baseline", world_size, 0, accs, b_simple=200.0, test=accs[-1])
+    bad = tmp_path / "0" / "result.json"
+    bad.write_text(json.dumps({**json.loads(bad.read_text()), key: value}))
+    summary = write_report(tmp_path)
+    failed = [j for j in summary["jobs"] if j.get("error")]
+    assert [j["job_dir"] for j in failed] == ["0"] and says in failed[0]["error"]
+    assert summary["answer_withheld"] and summary["gpu_answer"]["best"] is None
+    assert "## Failed jobs" in (tmp_path / "report.md").read_text()

@@ -131,7 +131,8 @@ class RunResult:
 
     @classmethod
     def from_json(cls, values: dict[str, Any]) -> RunResult:
-        """Read the fields `to_json` writes (unknown ones, and the derived bits, are left out)."""
+        """Read the fields `to_json` writes (unknown ones, and the derived bits, are left out), each checked."""
+        check_fields(values)
         split = values.get("eval_split", "val")
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in values.items() if k in known and k != "history"}
@@ -145,6 +146,38 @@ class RunResult:
         if "token" not in values:  # written before `token`: the bits-per-token fields name it
             kwargs["token"] = next((k.rsplit("_per_", 1)[1] for k in values if "_bits_per_" in k), None)
         return cls(**kwargs)
+
+
+LAYOUT_FIELDS = ("world_size", "per_worker_batch", "global_batch")
+# A trained run's numbers and their ranges (accuracies are fractions); a missing one is not measured.
+RANGES = {"acc": (0.0, 1.0), "loss": (0.0, math.inf)}
+
+
+def check_fields(values: dict[str, Any]) -> None:
+    """Every field a reader answers from has its type and range, or ValueError naming it: a NaN accuracy once
+    gave an answer, a negative batch a critical batch of -64, and a string a traceback. A failed job's result
+    says why it failed; its numbers are not read."""
+    if values.get("error") is not None:
+        return
+    for key in LAYOUT_FIELDS:
+        value = values.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key} is {value!r}, not a positive whole number")
+    diverged = values.get("diverged", False)
+    if not isinstance(diverged, bool):
+        raise ValueError(f"diverged is {diverged!r}, not true or false")
+    split = values.get("eval_split", "val")
+    for key in [f"{kind}_{split}_{m}" for kind in ("final", "best") for m in RANGES] + ["test_acc", "test_loss"]:
+        value = values.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{key} is {value!r}, not a number")
+        low, high = RANGES[key.rsplit("_", 1)[1]]
+        if math.isnan(value) and (diverged or not key.startswith("final_")):
+            continue  # a diverged run's value, or a best that was never measured
+        if not low <= value <= high or math.isinf(value):
+            raise ValueError(f"{key} is {value!r}, outside [{low:g}, {high:g}]")
 
 
 def _number(value: Any) -> float:
