@@ -121,3 +121,13 @@ def test_the_noise_scale_pass_is_timed_as_its_own_phase(tmp_path):
                               "technique.gns.every=2"])
     assert set(result["step_seconds"]) == {"data_s", "compute_s", "measure_s", "optimizer_s"}
     assert result["step_seconds"]["measure_s"] > 0 and result["step_seconds"]["compute_s"] > 0
+
+
+def test_no_progress_bar_frames_when_stderr_is_not_a_terminal(tmp_path, capfd):
+    """With the output going to a file, the bar wrote thousands of carriage-return frames into it: tqdm's
+    convention (disable=None) is no bar off a terminal."""
+    from conftest import train
+
+    train(tmp_path, ["model=mlp", "trainer.max_steps=8", "trainer.log_every=1", "trainer.progress=true"])
+    out, err = capfd.readouterr()
+    assert "\r" not in out + err and "done:" in out

@@ -372,8 +372,9 @@ def progress_bar(trainer: Trainer, steps: int) -> Any:
         # os._exit (lbt.engine.worker.exit_worker) leaves to the resource tracker's "leaked" warning.
         tqdm.set_lock(threading.RLock())
     epochs = sum(1 for n in trainer.budget.steps if n)  # the epochs that take a step (max_steps may end early)
+    # disable=None: no bar when stderr is not a terminal (a log file got thousands of carriage-return frames).
     return tqdm(total=steps, initial=trainer.state.step_in_epoch, desc=f"epoch {trainer.state.epoch + 1}/{epochs}",
-                unit="step", leave=False, dynamic_ncols=True)
+                unit="step", leave=False, dynamic_ncols=True, disable=None)
 
 
 def write_settings(optimizer: torch.optim.Optimizer, settings: dict[str, Any]) -> float:
