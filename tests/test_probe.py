@@ -246,15 +246,18 @@ def test_a_sigterm_to_the_probe_alone_stops_the_branches_its_launcher_runs_elsew
     (["probe.cooldown=1.5"], "probe.cooldown"),
     (["probe.last=0.9", "probe.cooldown=0.5"], "probe.cooldown=0.5: the last snapshot's cooldown runs past"),
     (["probe.confirm=maybe"], "probe.confirm=maybe: give true or false"),
+    (["probe.dir=runs/my probe"], "give a path of letters, digits"),  # before any folder or timing
+    (["probe.dir=runs/a,b"], "give a path of letters, digits"),
+    (["probe.dir=runs/prøbe"], "give a path of letters, digits"),
 ])
 def test_bad_probe_settings_are_one_line(tmp_path, args, says, capfd, monkeypatch):
     """In this process, as `lbt probe` runs it (test_a_probe_folder_of_another_probe... runs the command)."""
     monkeypatch.chdir(tmp_path)
-    code, err = run_main(["probe", *PROBE, *args, f"probe.dir={tmp_path / 'p'}"], capfd)
+    code, err = run_main(["probe", *PROBE, f"probe.dir={tmp_path / 'p'}", *args], capfd)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("lbt: error:"), err
     assert says in lines[0]
-    assert not (tmp_path / "p").exists()  # refused before anything was written
+    assert not (tmp_path / "p").exists() and not (tmp_path / "runs").exists()  # refused before anything was written
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 import time
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -59,6 +60,9 @@ class ProbeSettings:
             number("probe.tolerance", self.tolerance, low=0, low_open=True)
         integer("probe.evals", self.evals, 1, 100)
         number("probe.diverge", self.diverge, low=1, low_open=True)
+        if not re.fullmatch(r"[\w./~+-]+", self.dir, re.ASCII):
+            raise ConfigError(f"probe.dir={self.dir}: give a path of letters, digits and . _ - / ~ + (its branches are "
+                              "Hydra jobs, whose command line holds no spaces, commas or other characters)")
         return self
 
 
