@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Callable
 
-from lbt.errors import ConfigError
+from lbt.errors import ConfigError, naming
 
 
 def atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
@@ -22,7 +22,10 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
     whole one. A failed write leaves `path` as it was.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    except OSError as error:
+        raise naming(error, path) from None
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -30,6 +33,9 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
             os.fsync(f.fileno())  # on disk before the rename publishes it: a power cut leaves old or new
         os.chmod(tmp, 0o644)  # mkstemp makes it private (0600); results and caches are meant to be shared
         os.replace(tmp, path)
+    except OSError as error:
+        os.unlink(tmp)
+        raise naming(error, path) from error
     except BaseException:
         os.unlink(tmp)
         raise
@@ -81,8 +87,12 @@ def folder_lock(folder: str | Path) -> Iterator[None]:
     it (pid and command), for the message the second process gets.
     """
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as error:  # /dev/null, a path under /proc, a read-only folder: before anything is written
+        raise ConfigError(f"cannot use {folder} as a folder: {error.strerror or error} "
+                          f"({error.filename or folder}): give another path") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

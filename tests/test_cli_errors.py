@@ -1,5 +1,7 @@
 """Bad input ends with one clear line and a non-zero exit: no traceback, no hang."""
 
+import errno
+import os
 import signal
 import subprocess
 import sys
@@ -95,6 +97,40 @@ def test_run_folder_that_cannot_be_created(tmp_path, capfd, monkeypatch):
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1, err
     assert "Traceback" not in err and "hydra.run.dir" in lines[0] and "is a file" in lines[0]
+
+
+@pytest.mark.parametrize("folder, says", [("/dev/null", "File exists"), ("/dev/null/study", "Not a directory"),
+                                           ("/proc/self/study", "No such file or directory")])
+def test_a_study_folder_that_cannot_be_made_is_one_line(folder, says, tmp_path, capfd, monkeypatch):
+    """`lbt study hydra.sweep.dir=/dev/null` (or under /proc) ended in a traceback from the folder's lock."""
+    monkeypatch.chdir(tmp_path)
+    code, err = run_main(["study", *FAST, "model=mlp", "dist.world_size=1,2", f"hydra.sweep.dir={folder}"], capfd)
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("lbt: note:")]
+    assert code == 2 and lines == [f"lbt: error: cannot use {folder} as a folder: {says} ({folder}): give another "
+                                   "path"], err
+
+
+@pytest.mark.parametrize("number, says, code", [
+    (errno.EROFS, "it is on a read-only file system", 2), (errno.EACCES, "lbt may not write there", 2),
+    (errno.EDQUOT, "its disk quota is used up", 1), (errno.ENOENT, None, None)])
+def test_a_file_system_error_is_one_line_naming_the_path(number, says, code):
+    """A read-only folder or a used-up quota, under any exception that carries it (torch.save's RuntimeError
+    around its OSError): one line naming the path. Any other error is not taken for one."""
+    from lbt.errors import place_problem
+
+    try:
+        try:
+            raise OSError(number, os.strerror(number), "/data/run/result.json")
+        except OSError as error:
+            raise RuntimeError("PytorchStreamWriter failed writing file") from error
+    except RuntimeError as wrapped:
+        problem = place_problem(wrapped)
+    if says is None:
+        assert problem is None
+    else:
+        assert problem == (f"cannot write /data/run/result.json: {says} ({os.strerror(number)}); "
+                           + ("give another path" if code == 2 else "free space there, then run the same command "
+                              "again to continue"), code)
 
 
 def one_error_line(result) -> str:

@@ -249,6 +249,7 @@ def test_a_sigterm_to_the_probe_alone_stops_the_branches_its_launcher_runs_elsew
     (["probe.dir=runs/my probe"], "give a path of letters, digits"),  # before any folder or timing
     (["probe.dir=runs/a,b"], "give a path of letters, digits"),
     (["probe.dir=runs/prøbe"], "give a path of letters, digits"),
+    (["hydra.run.dir=elsewhere"], "lbt probe writes every run of it under probe.dir"),  # the probe ignored it
 ])
 def test_bad_probe_settings_are_one_line(tmp_path, args, says, capfd, monkeypatch):
     """In this process, as `lbt probe` runs it (test_a_probe_folder_of_another_probe... runs the command)."""
@@ -299,17 +300,23 @@ def test_probe_rules_pairs_the_rules_branch_by_branch(monkeypatch):
     assert rows[3] == "| 2,000 | +0.10 | -0.40 | +0.30 | +0.20 | +3.00 | +0.50 | 512 | 512 |"
 
 
+def claim_probe(args: list[str]) -> None:
+    """What `lbt probe ARGS` does to its folder before it trains: the probe's record written (or checked)."""
+    from lbt.apps.probe.command import claim_folder, plan_probe
+    from lbt.apps.probe.settings import split_args
+
+    settings, overrides = split_args(args)
+    claim_folder(Path(settings.dir), settings, overrides, plan_probe(settings, overrides)[0])
+
+
 def test_a_second_probe_on_a_folder_in_use_is_one_line_naming_the_first(tmp_path, capfd, monkeypatch):
     """Two probes on one probe.dir: the second deleted the first's running branch folder, and the first
     crashed with tracebacks. The folder's lock is held for the probe's whole life."""
-    from lbt.apps.probe.command import claim_folder
-    from lbt.apps.probe.settings import split_args
     from lbt.paths import folder_lock
 
     monkeypatch.chdir(tmp_path)
     args = [*PROBE, f"probe.dir={tmp_path / 'probe'}"]
-    settings, overrides = split_args(args)
-    claim_folder(tmp_path / "probe", settings, overrides)  # the first probe, running
+    claim_probe(args)  # the first probe, running
     with folder_lock(tmp_path / "probe"):
         code, err = run_main(["probe", *args], capfd)
     lines = err.strip().splitlines()
@@ -319,12 +326,36 @@ def test_a_second_probe_on_a_folder_in_use_is_one_line_naming_the_first(tmp_path
 
 def test_a_rerun_that_adds_a_setting_is_refused_naming_it(tmp_path, capfd, monkeypatch):
     """A rerun that added `probe.tolerance=1` ended in a TypeError (None against 1.0): one line naming it."""
-    from lbt.apps.probe.command import claim_folder
-    from lbt.apps.probe.settings import split_args
-
     monkeypatch.chdir(tmp_path)
     args = [*PROBE, f"probe.dir={tmp_path / 'probe'}"]
-    claim_folder(tmp_path / "probe", *split_args(args))
+    claim_probe(args)
     code, err = run_main(["probe", *args, "probe.tolerance=1"], capfd)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "it differs in probe.tolerance)" in lines[0], err
+
+
+def test_a_probe_is_its_composed_config_less_what_cannot_change_a_result(tmp_path, capfd, monkeypatch):
+    """Reordered overrides, an added trainer.threads=1 or hydra/launcher=local_parallel were refused as "holds
+    another probe (it differs in the overrides)", naming no key. They continue the probe; a key that changes the
+    result is refused by name, with both values."""
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "probe"
+    claim_probe([*PROBE, f"probe.dir={folder}"])
+    record = (folder / "probe_command.json").read_bytes()
+    for same in ([*reversed(PROBE), f"probe.dir={folder}"], [*PROBE, "trainer.threads=1", f"probe.dir={folder}"],
+                 [*PROBE, "hydra/launcher=local_parallel", f"probe.dir={folder}"]):
+        claim_probe(same)
+    assert (folder / "probe_command.json").read_bytes() == record  # how it started is kept as it was
+    with pytest.raises(SystemExit) as refused:
+        claim_probe([*PROBE, "optim.lr=0.02", f"probe.dir={folder}"])
+    assert refused.value.code == 2
+    assert "it differs in optim.lr (0.05 -> 0.02)" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("folder", ["/dev/null", "/dev/null/probe", "/proc/self/probe"])
+def test_a_probe_folder_that_cannot_be_made_is_one_line(folder, capfd, monkeypatch, tmp_path):
+    """probe.dir=/dev/null or /proc/self/x ended in a FileExistsError or FileNotFoundError traceback."""
+    monkeypatch.chdir(tmp_path)
+    code, err = run_main(["probe", *PROBE, f"probe.dir={folder}"], capfd)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"lbt: error: probe.dir={folder}: cannot make"), err

@@ -9,6 +9,7 @@ import json
 import re
 
 import pytest
+from test_cli_errors import run_main
 from test_study import _job
 
 from lbt.apps.report import write_report
@@ -319,9 +320,10 @@ def test_two_jobs_of_one_cell_keep_apart_in_tensorboard():
                                "lars_W8_T2_B128_seed0"]
 
 
-def test_a_full_disk_while_reporting_leaves_the_old_report_whole(tmp_path):
+def test_a_full_disk_while_reporting_leaves_the_old_report_whole(tmp_path, capfd):
     """`(ulimit -f 4; lbt report DIR)` cut the old complete report mid-table: report.md was written in place.
-    Every file the report writes goes through the atomic writer: a failed write leaves the old one."""
+    Every file the report writes goes through the atomic writer: a failed write leaves the old one. The
+    command ended in a traceback (OSError from PIL or the writer); it ends with one line naming the file."""
     import json
     import resource
     import signal
@@ -339,12 +341,14 @@ def test_a_full_disk_while_reporting_leaves_the_old_report_whole(tmp_path):
     previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG)
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
     try:
-        with pytest.raises(OSError):
-            write_report(tmp_path, target=0.9)
+        code, err = run_main(["report", str(tmp_path), "--target", "0.9"], capfd)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, previous)
     assert {name: (tmp_path / name).read_bytes() for name in before} == before
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and lines[0].startswith(f"lbt: error: cannot write {tmp_path}/"), err
+    assert "may not grow this large" in lines[0] and "run the same command again" in lines[0]
 
 
 @pytest.mark.parametrize("key, value, says", [

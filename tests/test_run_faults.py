@@ -205,3 +205,57 @@ def test_threads_follow_omp_num_threads_where_set(monkeypatch):
         assert default_threads(2) == max(1, (os.cpu_count() or 1) // 2)
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert default_threads(64) == 1
+
+
+# -- a full disk, no memory ---------------------------------------------------------------------------
+TINY_SWEEP = [*FAST, "model=mlp", "trainer.epochs=1", "trainer.per_worker_batch=32", "data.num_train=256",
+              "dist.world_size=1,2"]
+
+
+def test_a_sweep_whose_disk_is_full_ends_with_one_line_naming_the_file(tmp_path, capfd, monkeypatch):
+    """A full disk during a study's jobs ended in an `OSError: [Errno 28]` traceback (the failed job's own
+    result.json could not be written either). One line names the file; the same command continues later."""
+    import errno
+    import tempfile
+
+    made = tempfile.mkstemp
+
+    def full_for_results(*args, **kwargs):
+        if kwargs.get("prefix") == "result.json":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return made(*args, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", full_for_results)
+    sweep = tmp_path / "sweep"
+    code, _, err = run_main_io(["train", "-m", *TINY_SWEEP, f"hydra.sweep.dir={sweep}"], capfd)
+    lines = err.strip().splitlines()
+    assert code == 1 and "Traceback" not in err, err
+    assert lines[-1] == (f"lbt: error: cannot write {sweep}/0/result.json: its disk is full (No space left on "
+                         "device); free space there, then run the same command again to continue")
+
+
+def test_hydras_own_write_to_a_full_disk_is_one_line_naming_the_sweep(tmp_path, capfd, monkeypatch):
+    """Hydra's sweeper writing multirun.yaml to a full disk printed its traceback and exited 1."""
+    import errno
+
+    from omegaconf import OmegaConf
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(OmegaConf, "save", full)
+    sweep = tmp_path / "sweep"
+    code, _, err = run_main_io(["train", "-m", *TINY_SWEEP, f"hydra.sweep.dir={sweep}"], capfd)
+    assert code == 1 and err.strip().splitlines() == [
+        f"lbt: error: cannot write {sweep}: its disk is full (No space left on device); free space there, then run "
+        "the same command again to continue"], err
+
+
+def test_cpu_out_of_memory_is_one_line(tmp_path, capfd):
+    """The CPU allocator's failure is a plain RuntimeError, and only CUDA's OutOfMemoryError and MemoryError
+    were caught: a traceback. 160 TB of weights exceeds any address space, overcommit or not."""
+    code, _, err = run_main_io(["train", *FAST, "model=mlp", "model.hidden=1000000000000", "trainer.epochs=1",
+                                f"hydra.run.dir={tmp_path / 'run'}"], capfd)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("lbt: error: out of memory: RuntimeError"), err
+    assert "the traceback is in train.log" in lines[0]

@@ -43,6 +43,18 @@ def test_a_folder_holds_one_study(tmp_path):
     other = StudyRecord(("recipe=lars",), (StudyJob("0", ("recipe=lars",)),))
     with pytest.raises(ConfigError, match="holds another study .*recipe=baseline.*recipe=lars"):
         claim(tmp_path / "s", other)
+    # Reordered overrides, trainer.threads=1 or another launcher were refused as another study: the same jobs.
+    two = StudyRecord(("recipe=baseline", "trainer.epochs=2"),
+                      (StudyJob("0", ("recipe=baseline", "trainer.epochs=2")),))
+    assert claim(tmp_path / "t", two) is False
+    same = StudyRecord(("trainer.epochs=2", "recipe=baseline", "trainer.threads=1", "hydra/launcher=local_parallel"),
+                       (StudyJob("0", ("trainer.epochs=2", "recipe=baseline", "trainer.threads=1",
+                                       "hydra/launcher=local_parallel")),))
+    assert claim(tmp_path / "t", same) is True
+    longer = StudyRecord(("recipe=baseline", "trainer.epochs=3"),
+                         (StudyJob("0", ("recipe=baseline", "trainer.epochs=3")),))
+    with pytest.raises(ConfigError, match="it has trainer.epochs=2; this command has trainer.epochs=3"):
+        claim(tmp_path / "t", longer)
     (tmp_path / "sweep" / "0").mkdir(parents=True)
     (tmp_path / "sweep" / "0" / "result.json").write_text("{}")
     with pytest.raises(ConfigError, match="holds results of another sweep"):

@@ -9,7 +9,8 @@ from __future__ import annotations
 import sys
 from importlib import import_module
 
-from lbt.apps.errors import exit_when_stopped, fail
+from lbt.apps.errors import end_on, exit_when_stopped, fail
+from lbt.errors import place_problem
 
 # Each command's module is imported only when it runs: `lbt train` does not pay for `lbt plan`'s matplotlib
 # and profiler imports (about 1 s of every process start on 2 cores).
@@ -57,7 +58,13 @@ def main(argv: list[str] | None = None) -> None:
         print(USAGE, file=sys.stderr)
         fail(f"unknown command {command!r}")
     module, function = COMMANDS[command]
-    code = getattr(import_module(module), function)(args)  # `lbt plan` returns its exit code, the others None
+    try:
+        code = getattr(import_module(module), function)(args)  # `lbt plan` returns its exit code, the others None
+    except (OSError, RuntimeError) as error:  # PIL, torch.save and open() each report a full disk their own way
+        problem = place_problem(error)
+        if problem is None:
+            raise
+        end_on(*problem)
     if command == "train":
         from lbt.parallel import process_group as pg
 

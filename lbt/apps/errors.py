@@ -49,8 +49,13 @@ def raise_if_stopped() -> None:
 
 
 def fail(message: str) -> NoReturn:
+    end_on(message, 2)
+
+
+def end_on(message: str, code: int) -> NoReturn:
+    """One `lbt: error:` line: exit 2 for a mistake the user fixes by another input, 1 for a real failure."""
     print(f"lbt: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    sys.exit(code)
 
 
 def stopped(signum: int, resume: str = "") -> NoReturn:

@@ -24,6 +24,7 @@ from lbt.apps.estimate import duration
 from lbt.errors import ConfigError
 from lbt.paths import atomic_write
 from lbt.spec.result import ResultError, RunResult, read_result
+from lbt.spec.run import result_free
 
 STUDY_FILE = "study.json"
 FORMAT = 1
@@ -90,16 +91,29 @@ def claim(folder: str | Path, record: StudyRecord) -> bool:
                               "new folder (hydra.sweep.dir=...)")
         write_study(folder, record)
         return False
-    if saved.jobs != record.jobs:
+    if result_jobs(saved) != result_jobs(record):
         raise ConfigError(f"{folder} holds another study ({differences(saved, record)}): give the same command "
                           "to continue it, or another hydra.sweep.dir for this one")
     return True
 
 
+def result_jobs(record: StudyRecord) -> dict[str, frozenset[str]]:
+    """Each job's folder and the overrides that can change its result: reordered overrides, an added
+    trainer.threads=1 or another launcher continue the study."""
+    return {job.dir: frozenset(o for o in job.overrides if not free_override(o)) for job in record.jobs}
+
+
+def free_override(override: str) -> bool:
+    """An override that cannot change a job's result: Hydra's own, or a RESULT_FREE key's value. A group
+    choice (recipe=lars) is never free: it selects what the job runs."""
+    key = override.split("=", 1)[0].lstrip("+~")
+    return key.startswith(("hydra.", "hydra/")) or ("." in key and result_free(key))
+
+
 def differences(saved: StudyRecord, new: StudyRecord) -> str:
     """What differs between two studies' grids, in a few words: the overrides only one of them has."""
-    before = {o for job in saved.jobs for o in job.overrides}
-    after = {o for job in new.jobs for o in job.overrides}
+    before = set().union(*result_jobs(saved).values())
+    after = set().union(*result_jobs(new).values())
     parts = []
     if before - after:
         parts.append(f"it has {', '.join(sorted(before - after)[:4])}")

@@ -14,9 +14,10 @@ import os
 import signal
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -25,12 +26,12 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from lbt.apps.compose import Composed, compose, conf_dir, one_line, register_schemas
-from lbt.apps.errors import Stopped, continue_with, fail, stopped
+from lbt.apps.errors import Stopped, continue_with, end_on, fail, stopped
 from lbt.apps.study_folder import STUDY_PID, job_line, study_of_job
 from lbt.engine import make_spec, run
 from lbt.engine.build import check_targets
 from lbt.engine.worker import check_run_folder
-from lbt.errors import ConfigError
+from lbt.errors import ConfigError, naming, place_problem
 from lbt.parallel import process_group as pg
 from lbt.parallel.launcher import WorkerDied
 from lbt.parallel.stop import stop_asked, stop_kept, stopped_by
@@ -165,9 +166,29 @@ def train_command(args: list[str], report_failures: bool = True) -> None:
         sweep_dir = f"runs/multirun/{time.strftime('%Y-%m-%d_%H-%M-%S')}"
         overrides.append(f"hydra.sweep.dir={sweep_dir}")
     sys.argv = ["lbt train", *flags, *overrides]
-    hydra_main()
+    with hydra_raises(sweep_dir if options.multirun else None):
+        hydra_main()
     if options.multirun and not options.cfg and report_failures and sweep_dir is not None:
         check_sweep(sweep_dir)
+
+
+@contextmanager
+def hydra_raises(sweep_dir: str | None) -> Iterator[None]:
+    """Hydra's own failures (its sweeper writing multirun.yaml to a full disk) raised to `lbt`'s one-line
+    reporting (lbt/apps/cli.py), instead of printed by Hydra as a traceback and exit 1."""
+    saved = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        yield
+    except OSError as error:
+        if sweep_dir is None or error.filename is not None:
+            raise
+        raise naming(error, sweep_dir) from error
+    finally:
+        if saved is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = saved
 
 
 def print_job_config(overrides: list[str], config_dir: str | None, config_name: str) -> None:
@@ -244,19 +265,30 @@ def hydra_main(cfg: DictConfig) -> None:
             sys.exit(2 if isinstance(error, ConfigError) or not str(error) else 1)
         message = str(error) or "config error in a worker"
     except Exception as error:  # a crash in one job of a sweep must not stop the others
+        problem = place_problem(error)
+        if problem is not None:  # a full disk or a read-only folder: every later job would fail the same way
+            end_on(*problem)
         if not sweeping:
             raise
         if study is None:
             print(f"lbt: job failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
         message = f"{type(error).__name__}: {error}"
     failure = failure_result({**config, "overrides": overrides}, recipe, message)
-    if finished_here(output_dir):
-        # Another run's finished result is never replaced by why this one could not run.
-        print(f"lbt: error: {message}", file=sys.stderr, flush=True)
-        return
-    write_result(output_dir, failure)
-    if study is not None:
+    if record_failure(output_dir, failure) and study is not None:
         say_job(study, failure, time.perf_counter() - started, hydra_cfg)
+
+
+def record_failure(output_dir: str, failure: RunResult) -> bool:
+    """A failed job's result.json, saying why; False where the folder holds another run's finished result,
+    which is never replaced by why this one could not run."""
+    if finished_here(output_dir):
+        print(f"lbt: error: {failure.error}", file=sys.stderr, flush=True)
+        return False
+    try:
+        write_result(output_dir, failure)
+    except OSError as error:
+        end_on(*(place_problem(error) or (f"cannot write {output_dir}/result.json: {one_line(error)}", 1)))
+    return True
 
 
 def finished_here(run_dir: str) -> bool:

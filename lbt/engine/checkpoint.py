@@ -39,9 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lbt.errors import ConfigError
+from lbt.errors import ConfigError, os_error_of
 from lbt.metrics.text_log import say
-from lbt.parallel.launcher import os_error_of
 from lbt.parallel.process_group import DistContext
 from lbt.parallel.tensor_parallel import full_tensors, load_full_state
 from lbt.paths import atomic_write

@@ -107,10 +107,20 @@ def in_process(spec: RunSpec, run_dir: str, techniques: list[Technique]) -> RunR
     except ConfigError:
         raise
     except Exception as error:
+        if out_of_memory(error):
+            log_traceback(run_dir, 0, error)
+            raise ConfigError(f"out of memory: {launcher.describe(error)}; a smaller trainer.per_worker_batch or "
+                              "model fits, or fewer dist.procs; the traceback is in train.log") from None
         if not launcher.lasting(error) or launcher.os_error_of(error) is None:
             raise
         log_traceback(run_dir, 0, error)
         raise ConfigError(f"{launcher.describe(error)}; the traceback is in train.log") from None
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, Python's MemoryError, or torch's CPU allocator failing (a plain RuntimeError)."""
+    return isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)) or (
+        isinstance(error, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(error))
 
 
 def log_traceback(run_dir: str, rank: int, error: BaseException) -> None:
@@ -263,8 +273,8 @@ def _spawned_process(rank: int, store_port: int, steps: Any, spec: RunSpec, run_
         sys.exit(1)
     except Exception as error:
         log_traceback(run_dir, rank, error)
-        out_of_memory = isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)) and not stepped
-        launcher.report_failure(rank, launcher.describe(error), retry=not (launcher.lasting(error) or out_of_memory))
+        at_start = out_of_memory(error) and not stepped  # a restart meets it again
+        launcher.report_failure(rank, launcher.describe(error), retry=not (launcher.lasting(error) or at_start))
         sys.exit(1)
     exit_worker()
 

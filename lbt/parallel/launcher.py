@@ -13,7 +13,6 @@ job's stop file and is never a failure: `launch_local` returns the signal, whate
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import signal
@@ -29,7 +28,7 @@ from typing import Callable
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lbt.errors import ConfigError
+from lbt.errors import LASTING_ERRNOS, ConfigError, os_error_of
 from lbt.parallel.process_group import HOST
 from lbt.parallel.stop import ask_stop, job_stop_file
 from lbt.paths import atomic_write
@@ -38,8 +37,6 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 ERRORS = "LBT_WORKER_ERRORS"  # the folder a spawned worker reports its failure into (set by launch_local)
 # Set to 1 (the test suite does), the core and memory check passes, as dist.allow_oversubscribe=true does.
 OVERSUBSCRIBE = "LBT_ALLOW_OVERSUBSCRIBE"
-# Errors that a restart meets again: the disk, the permissions, the file system.
-LASTING_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 class WorkerDied(RuntimeError):
@@ -120,17 +117,6 @@ def check_resources(procs: int, allow: bool = False) -> None:
 
 
 # -- a worker's failure ---------------------------------------------------------------------------
-def os_error_of(error: BaseException) -> OSError | None:
-    """The OSError under an exception: torch.save reports a full disk as a RuntimeError raised while
-    handling the file's OSError (errno ENOSPC or EFBIG)."""
-    seen: BaseException | None = error
-    for _ in range(8):
-        if seen is None or isinstance(seen, OSError):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
-
-
 def lasting(error: BaseException) -> bool:
     """Whether a restart would meet this error again (a full disk, permissions, a config error)."""
     found = os_error_of(error)

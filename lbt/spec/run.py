@@ -342,6 +342,30 @@ def run_identity(config: Mapping[str, Any], per_worker_batch: int, global_batch:
     return flat
 
 
+# Keys that cannot change what a run computes or for how long: how it is run and shown, where data lives,
+# labels. A probe's folder (and a study's) holds one experiment: every other key of its config defines it.
+RESULT_FREE = (
+    "trainer.resume", "trainer.progress", "trainer.threads", "trainer.checkpoint_every", "trainer.keep_checkpoints",
+    "trainer.loader_workers", "dist.backend", "dist.timeout_s", "dist.max_restarts", "dist.allow_oversubscribe",
+    "data.data_dir", "data.root", "recipe", "overrides", "tune", "study", "extra_sweeps",
+)
+
+
+def result_identity(config: Mapping[str, Any], per_worker_batch: int, global_batch: int) -> dict[str, Any]:
+    """What decides a run's result, as dotted keys: `run_identity` and the budget (epochs, steps, evaluations),
+    but not RESULT_FREE's keys, so reordered overrides or an added trainer.threads=1 are the same experiment."""
+    flat = {key: value for key, value in _flatten(config).items() if not result_free(key)}
+    flat["trainer.per_worker_batch"], flat["trainer.global_batch"] = per_worker_batch, global_batch
+    return flat
+
+
+def result_free(key: str) -> bool:
+    """Whether a config key (dotted, or an override's key, `+`/`~` and Hydra's own included) cannot change a
+    result: RESULT_FREE's keys and Hydra's settings (its launcher, folders, logging)."""
+    key = key.lstrip("+~")
+    return key.startswith(("hydra.", "hydra/")) or any(key == k or key.startswith(k + ".") for k in RESULT_FREE)
+
+
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     if not isinstance(node, Mapping):
         return {prefix: node}

@@ -45,7 +45,7 @@ from lbt.metrics.text_log import CONSOLE
 from lbt.parallel.stop import job_stop_file
 from lbt.paths import atomic_write, folder_lock
 from lbt.spec.result import ResultError, read_result
-from lbt.spec.run import RunSpec
+from lbt.spec.run import RunSpec, identity_differences, result_identity
 
 PROBE_HELP = """usage: lbt probe [overrides] [probe.KEY=VALUE ...]
 
@@ -81,7 +81,7 @@ def probe_command(args: list[str]) -> None:
     except ConfigError as error:
         fail(str(error))
     folder = Path(settings.dir)
-    claim_folder(folder, settings, overrides)
+    claim_folder(folder, settings, overrides, spec)
     given = [a for a in args if a.startswith("probe.") and not a.startswith("probe.dir=")]
     again = f"lbt probe {' '.join([*overrides, *given])} probe.dir={folder}"
     with ExitStack() as held:
@@ -155,6 +155,10 @@ def console(level: str) -> Iterator[None]:
 def plan_probe(settings: ProbeSettings, overrides: list[str]) -> tuple[RunSpec, ProbePlan]:
     if any(o.startswith("-") for o in overrides):
         raise ConfigError(f"lbt probe takes overrides and probe.KEY=VALUE settings, not {overrides[0]}")
+    folders = [o for o in overrides if o.startswith(("hydra.run.dir=", "hydra.sweep.dir="))]
+    if folders:
+        raise ConfigError(f"{folders[0]}: lbt probe writes every run of it under probe.dir (now {settings.dir}): "
+                          f"give probe.dir=... instead")
     composed = compose([o for o in overrides if not o.startswith("hydra")])
     spec = make_spec(composed.config, composed.recipe, overrides)
     if spec.trainer.branch_from is not None or spec.trainer.snapshot_samples:
@@ -163,21 +167,35 @@ def plan_probe(settings: ProbeSettings, overrides: list[str]) -> tuple[RunSpec, 
     return spec, make_plan(spec, len(data.train), settings)
 
 
-def claim_folder(folder: Path, settings: ProbeSettings, overrides: list[str]) -> None:
-    """The probe folder holds one probe: a rerun with other overrides or settings is refused, not mixed in."""
-    record = {"overrides": overrides, "settings": {k: v for k, v in vars(settings).items() if k != "dir"}}
+def claim_folder(folder: Path, settings: ProbeSettings, overrides: list[str], spec: RunSpec) -> None:
+    """The probe folder holds one probe: a rerun of another config or settings is refused, not mixed in.
+
+    A probe is its settings and its composed config less the keys that cannot change a result
+    (`result_identity`): reordered overrides, an added trainer.threads=1 or another launcher continue it."""
+    identity = result_identity(spec.config, spec.layout.per_worker_batch, spec.layout.global_batch)
+    record = {"overrides": overrides, "settings": {k: v for k, v in vars(settings).items() if k != "dir"},
+              "identity": identity}
     path = folder / "probe_command.json"
     if path.is_file():
         saved = json.loads(path.read_text())
-        if saved != record:
-            keys = {*saved["settings"], *record["settings"]}  # by key: a None and a number do not sort together
-            what = ", ".join(sorted(f"probe.{k}" for k in keys
-                                    if saved["settings"].get(k) != record["settings"].get(k))) or "the overrides"
-            fail(f"{folder} holds another probe (it differs in {what}): give another probe.dir, "
+        keys = {*saved["settings"], *record["settings"]}  # by key: a None and a number do not sort together
+        differ = sorted(f"probe.{k}" for k in keys if saved["settings"].get(k) != record["settings"].get(k))
+        if "identity" in saved:
+            differ += identity_differences(saved["identity"], json.loads(json.dumps(identity)))
+        elif saved["overrides"] != overrides:
+            differ.append("the overrides")
+        if differ:
+            shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+            fail(f"{folder} holds another probe (it differs in {shown}): give another probe.dir, "
                  f"or the same command to continue it")
-    elif folder.exists() and any(folder.iterdir()):
-        fail(f"probe.dir={folder} is not empty and holds no probe: give a new folder")
-    folder.mkdir(parents=True, exist_ok=True)
+        return  # the record of how it started is kept
+    try:
+        if folder.exists() and any(folder.iterdir()):
+            fail(f"probe.dir={folder} is not empty and holds no probe: give a new folder")
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # /dev/null, a path under /proc, a read-only folder
+        fail(f"probe.dir={folder}: cannot make the probe's folder: {error.strerror or error} "
+             f"({error.filename or folder}): give another path")
     atomic_write(path, lambda out: out.write(json.dumps(record, indent=1).encode()))  # stopped mid-write: none
 
 
