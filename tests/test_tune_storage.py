@@ -6,6 +6,7 @@ import glob
 import json
 import os
 import pwd
+import re
 import shutil
 import signal
 import socket
@@ -261,3 +262,22 @@ def test_a_dead_workers_trial_is_retried_at_its_own_slot_with_its_own_point(tmp_
     retry = claim_trial(grid, cell, study, store)
     assert retry.slot == dead and retry.trial.suggest_float("lr", 1e-3, 10.0, log=True) == points[dead]
     assert claim_trial(grid, cell, study, store) is None  # every slot is held again
+
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda lines: [*lines[:2], b"garbage here", *lines[3:]], "is damaged at line 3 (Expecting value"),
+    (lambda lines: [*lines[:-1], lines[-1][:-20]], "ends in a record cut short at line"),
+])
+def test_a_damaged_journal_is_one_line_naming_its_line(tmp_path, damage, says):
+    """A garbage line, or a last line torn by a worker's death, in an Optuna journal gave a JSONDecodeError
+    traceback (the torn one at the first write after it). The SQLite storage already said so in one line."""
+    opened = open_storage("journal", tmp_path, 2)
+    study = optuna.create_study(storage=opened.optuna, study_name="cell")
+    for _ in range(3):
+        study.ask()
+    path = tmp_path / "optuna.journal"
+    lines = path.read_bytes().rstrip(b"\n").split(b"\n")
+    broken = damage(lines)
+    path.write_bytes(b"\n".join(broken) + (b"\n" if broken[-1] == lines[-1] else b""))
+    with pytest.raises(ConfigError, match=f"the journal {path} {re.escape(says)}"):
+        open_storage("journal", tmp_path, 2)

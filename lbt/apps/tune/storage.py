@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import importlib.util
+import json
 import os
 import re
 import socket
@@ -112,6 +113,7 @@ def _open(name: str, shown: str, folder: Path, heartbeat: int) -> TuneStorage:
         except OSError as error:
             raise ConfigError(f"tune.storage={name}: cannot write the journal file {path}: "
                               f"{error.strerror or error}") from None
+        check_journal(path)
         return TuneStorage(optuna.storages.JournalStorage(_journal_backend(path)), f"journal:{path}", str(path),
                            folder, heartbeat)
     if name == "sqlite":
@@ -127,6 +129,29 @@ def _open(name: str, shown: str, folder: Path, heartbeat: int) -> TuneStorage:
         rdb = optuna.storages.RDBStorage(name, engine_kwargs=engine, heartbeat_interval=heartbeat,
                                          grace_period=GRACE * heartbeat)
     return TuneStorage(rdb, shown, shown, folder, heartbeat)
+
+
+def check_journal(path: Path) -> None:
+    """Every line of the journal is one JSON record, or one line names the first that is not: Optuna raised a
+    JSONDecodeError traceback at the first read past it. A last line with no newline is a write torn when
+    its worker died (Optuna skips it, then fails once a record follows it), unless a live worker is writing
+    it: it is looked at again a second later."""
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    torn = lines.pop()  # b"" when the file ends with a newline
+    for number, line in enumerate(lines, 1):
+        try:
+            json.loads(line)
+        except ValueError as error:
+            raise ConfigError(f"the journal {path} is damaged at line {number} ({error}): restore it from a copy, or "
+                              f"delete that line (its change is lost) and run the same command again") from None
+    if torn:
+        time.sleep(1)
+        if path.read_bytes() == data:
+            raise ConfigError(f"the journal {path} ends in a record cut short at line {len(lines) + 1} (a write torn "
+                              "when its worker died; Optuna never applied it): delete that line and run the same "
+                              "command again")
+        check_journal(path)
 
 
 def _postgres_driver(url: str) -> str:
