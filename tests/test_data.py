@@ -385,3 +385,41 @@ def test_loader_workers_start_inside_a_joblib_worker():
     from joblib import Parallel, delayed
 
     assert Parallel(n_jobs=2)(delayed(_batches_read_by_a_loader_worker)() for _ in range(2)) == [[6, 22, 17]] * 2
+
+
+def test_a_dataset_larger_than_memory_is_refused_before_generating(tmp_path, capfd):
+    """`lbt train model=mlp data.num_samples=100000000000` had no bound: it generated in memory for ~10 minutes."""
+    from test_cli_errors import run_main
+
+    code, err = run_main(["train", "model=mlp", "data.num_samples=100000000000", f"data.data_dir={tmp_path}",
+                          f"hydra.run.dir={tmp_path / 'run'}"], capfd)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "lbt: error: data.num_samples=100,000,000,000: generating it needs" in \
+        lines[0], err
+    assert not list(tmp_path.glob("*.npz"))
+
+
+def test_a_stop_while_generating_data_ends_at_once_and_publishes_nothing(tmp_path, capfd, monkeypatch):
+    """SIGTERM during MNIST-1D's generation was noted for the run's first step, which came only once the
+    generator was done (still alive 15 s after `kill -TERM`). The generator here takes a minute, unless stopped."""
+    import os
+    import signal
+
+    import mnist1d.data
+    from test_cli_errors import run_main
+
+    def a_minute_long(args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)
+
+    monkeypatch.setattr(mnist1d.data, "make_dataset", a_minute_long)
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)  # this test process's, should the stop miss
+    started = time.perf_counter()
+    try:
+        code, err = run_main(["train", "model=mlp", "data.num_samples=1000", f"data.data_dir={tmp_path}",
+                              "trainer.progress=false", f"hydra.run.dir={tmp_path / 'run'}"], capfd)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert time.perf_counter() - started < 30
+    assert code == 143 and "lbt: stopped (SIGTERM)" in err, err
+    assert not list(tmp_path.glob("*.npz"))

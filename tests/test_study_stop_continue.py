@@ -168,3 +168,53 @@ def test_two_commands_on_one_run_folder_one_runs_the_other_is_refused_naming_it(
     assert second.returncode == 2 and second.stderr.count("lbt: error:") == 1, second.stderr
     assert f"is in use by pid {first.pid}" in second.stderr
     assert not (run_dir / "result.json").exists() and (run_dir / "checkpoint" / "latest.json").is_file()
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_the_workers_of_a_killed_study_end_with_it(tmp_path):
+    """`kill -9` of an `lbt study` under hydra/launcher=local_parallel left its 2 loky workers (which ignore
+    SIGTERM: the study tells its jobs to stop) and their resource tracker running, orphaned."""
+    study = subprocess.Popen(
+        [sys.executable, "-m", "lbt", "study", "data=synthetic", "model=mlp", "trainer.device=cpu",
+         "trainer.epochs=200", "data.num_train=4096", "recipe=baseline", "dist.world_size=1,2,4,8",
+         "hydra/launcher=local_parallel", f"hydra.sweep.dir={tmp_path / 'study'}"],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline, workers = time.monotonic() + 60, []
+        while time.monotonic() < deadline and len(workers) < 2:
+            time.sleep(0.5)
+            workers = [p for p in _children(study.pid)
+                       if b"loky" in (Path("/proc") / str(p) / "cmdline").read_bytes()]
+        assert len(workers) >= 2, "the study's launcher started no workers"
+        while time.monotonic() < deadline and len(list((tmp_path / "study").glob("*/train.log"))) < 2:
+            time.sleep(0.25)  # until both train a job
+        helpers = _children(study.pid)
+        study.kill()
+        study.wait()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(_alive(p) for p in helpers):
+            time.sleep(0.25)
+        assert not [p for p in helpers if _alive(p)], "processes of the killed study still run"
+    finally:
+        study.kill()
+        for p in _children(study.pid):
+            os.kill(p, signal.SIGKILL)

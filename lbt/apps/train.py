@@ -34,7 +34,7 @@ from lbt.engine.worker import check_run_folder
 from lbt.errors import ConfigError, naming, place_problem
 from lbt.parallel import process_group as pg
 from lbt.parallel.launcher import WorkerDied
-from lbt.parallel.stop import stop_asked, stop_kept, stopped_by
+from lbt.parallel.stop import SWEEP_PID, end_with_sweep, stop_asked, stop_kept, stopped_by
 from lbt.spec.batching import DEFAULT_PER_WORKER_BATCH
 from lbt.spec.result import ResultError, RunResult, read_result, write_result
 
@@ -166,10 +166,24 @@ def train_command(args: list[str], report_failures: bool = True) -> None:
         sweep_dir = f"runs/multirun/{time.strftime('%Y-%m-%d_%H-%M-%S')}"
         overrides.append(f"hydra.sweep.dir={sweep_dir}")
     sys.argv = ["lbt train", *flags, *overrides]
-    with hydra_raises(sweep_dir if options.multirun else None):
+    with hydra_raises(sweep_dir if options.multirun else None), sweep_owner():
         hydra_main()
     if options.multirun and not options.cfg and report_failures and sweep_dir is not None:
         check_sweep(sweep_dir)
+
+
+@contextmanager
+def sweep_owner() -> Iterator[None]:
+    """A sweep's launcher workers know its process (SWEEP_PID), to end with it (`end_with_sweep`). A study's
+    config makes its sweep (hydra.mode), not a -m flag: every Hydra main of lbt's names itself."""
+    if os.environ.get(SWEEP_PID):
+        yield
+        return
+    os.environ[SWEEP_PID] = str(os.getpid())
+    try:
+        yield
+    finally:
+        os.environ.pop(SWEEP_PID, None)
 
 
 @contextmanager
@@ -241,6 +255,8 @@ def hydra_main(cfg: DictConfig) -> None:
     study = study_of_job()
     if sweeping and stop_asked() is not None:
         return  # its study is stopping: this job does not start (the same command runs it later)
+    if sweeping:
+        end_with_sweep()  # a launcher's worker process dies with the sweep's, however it dies
     if study is not None and os.environ.get(STUDY_PID) != str(os.getpid()):
         # A launcher's worker process: Ctrl-C reaches the study, which tells its jobs (lbt/parallel/stop.py);
         # a worker killed by it between jobs would take the launcher, and the running jobs, down with it.

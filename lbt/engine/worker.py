@@ -37,7 +37,7 @@ from lbt.metrics.tensorboard import RunLogger
 from lbt.metrics.text_log import say_once, text_log
 from lbt.parallel import launcher
 from lbt.parallel import process_group as pg
-from lbt.parallel.stop import ask_stop, forget_stop, stop_asked
+from lbt.parallel.stop import StoppedWhileBuilding, ask_stop, forget_stop, stop_asked
 from lbt.parallel.tensor_parallel import device_mesh
 from lbt.paths import check_free, folder_lock
 from lbt.spec.result import ResultError, RunResult, read_result, write_result
@@ -65,10 +65,13 @@ def run(spec: RunSpec, run_dir: str | Path, techniques: list[Technique] | tuple 
     """
     run_dir = str(Path(run_dir).resolve())
     env = pg.torchrun_env()
-    if env is not None and env["rank"] != 0:
-        return _run(spec, run_dir, techniques)  # torchrun's rank 0 holds the folder for the run
-    with folder_lock(run_dir):  # one process at a time; a second gets one line naming the first
-        return _run(spec, run_dir, techniques)
+    try:
+        if env is not None and env["rank"] != 0:
+            return _run(spec, run_dir, techniques)  # torchrun's rank 0 holds the folder for the run
+        with folder_lock(run_dir):  # one process at a time; a second gets one line naming the first
+            return _run(spec, run_dir, techniques)
+    except StoppedWhileBuilding:
+        return RunResult(stopped=True)
 
 
 def _run(spec: RunSpec, run_dir: str, techniques: list[Technique] | tuple) -> RunResult:

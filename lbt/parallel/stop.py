@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -113,3 +115,55 @@ def job_stop_file(path: Path) -> Iterator[None]:
         yield
     finally:
         del os.environ[STOP_FILE]
+
+
+class StoppedWhileBuilding(BaseException):
+    """A stop asked while a run builds what it needs (a dataset generated for minutes): raised at once, where
+    nothing half-made is published, and the run ends as one stopped before its first step. A BaseException:
+    no `except Exception` on its way up takes it for a failure."""
+
+
+@contextmanager
+def stoppable() -> Iterator[None]:
+    """While the block runs, SIGTERM/SIGINT are recorded as a run records them (`ask_stop`) and end the block at
+    once with StoppedWhileBuilding. A run's own handlers only note a stop for its next log step, which a data
+    generator of minutes would reach only when done."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+
+    def stop_now(signum: int, frame: object) -> None:
+        ask_stop(signum)
+        raise StoppedWhileBuilding(signum)
+
+    previous = {sig: signal.signal(sig, stop_now) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        if stop_asked() is not None:
+            raise StoppedWhileBuilding(stop_asked())
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+SWEEP_PID = "LBT_SWEEP_PID"  # the process that runs a sweep's launcher (a study, a probe, `lbt train -m`)
+_watching: list[int] = []
+
+
+def end_with_sweep() -> None:
+    """In a launcher's worker process (joblib's loky workers): end this process once the process that runs
+    the sweep is gone. `kill -9` of a study or probe left its workers training on, orphaned, and they ignore
+    SIGTERM (the study tells its jobs to stop through the stop file). A daemon thread looks every second."""
+    owner = os.environ.get(SWEEP_PID)
+    if not owner or owner == str(os.getpid()) or _watching:
+        return
+    parent = os.getppid()
+    _watching.append(parent)
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:  # adopted by init or a subreaper: the sweep's process died
+                os._exit(128 + signal.SIGKILL)
+
+    threading.Thread(target=watch, name="lbt-end-with-sweep", daemon=True).start()
