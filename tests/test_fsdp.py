@@ -90,6 +90,7 @@ def runs(tmp_path_factory):
         ("copy", root / "four", root / "resumed4"),
         (root / "resumed4", FAST + lamb2 + ["dist.procs=4", "trainer.resume=auto"]),
         ("copy", root / "four", root / "resumed2"),
+        ("copy", root / "four", root / "resumed1"),
         (root / "hybrid", FAST + HYBRID + ["dist.procs=4", "dist.world_size=4", "dist.tensor_parallel=2",
                                            "dist.shard=fsdp"]),
     ])
@@ -98,6 +99,8 @@ def runs(tmp_path_factory):
           for name, run in one_epoch.items() for layout, shard in (("fsdp", "fsdp"), ("ddp", "none"))],
         (root / "resumed2", FAST + lamb2 + ["dist.procs=2", "trainer.resume=auto"]),
     ])
+    # On one process, dist.shard=fsdp shards nothing: it printed "resharded onto 1", then refused the checkpoint.
+    train(root / "resumed1", lamb2 + ["dist.procs=1", "trainer.resume=auto"])
     for name, run in one_epoch.items():
         train(root / f"sim_{name}", run + ["dist.procs=1"])
     train(root / "sim_lamb2", lamb2[:-1] + ["dist.procs=1"])
@@ -126,11 +129,12 @@ def test_sharded_over_two_epochs_and_on_a_two_by_two_mesh(runs):
 
 
 @pytest.mark.slow
-def test_a_sharded_checkpoint_resumes_bitwise_and_on_fewer_processes(runs):
+def test_a_sharded_checkpoint_resumes_bitwise_and_on_fewer_processes_one_included(runs):
     shards = sorted(p.name for p in (runs / "four" / "checkpoint").glob("step_*/shards/*"))
     assert shards == [".metadata", *(f"__{r}_0.distcp" for r in range(4))]  # each rank wrote its own shards
     assert torch.equal(final_params(runs / "four"), final_params(runs / "resumed4"))
     assert relative_diff(final_params(runs / "four"), final_params(runs / "resumed2")) < 1e-5
+    assert relative_diff(final_params(runs / "four"), final_params(runs / "resumed1")) < 1e-5
     exported = torch.load(runs / "four" / "final_model.pt", weights_only=True)
     assert all(type(t) is torch.Tensor for t in exported.values())  # an ordinary state dict, whole tensors
     assert exported["1.weight"].shape == (32, 40)

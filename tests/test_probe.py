@@ -359,3 +359,18 @@ def test_a_probe_folder_that_cannot_be_made_is_one_line(folder, capfd, monkeypat
     code, err = run_main(["probe", *PROBE, f"probe.dir={folder}"], capfd)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith(f"lbt: error: probe.dir={folder}: cannot make"), err
+
+
+@pytest.mark.slow
+def test_a_damaged_base_result_says_to_delete_it(tmp_path, capfd, monkeypatch):
+    """A base result.json cut short (a full disk) was refused with "start this one in another folder", which
+    does not fit a probe: deleting the file lets the same command resume the base run from its checkpoint."""
+    monkeypatch.chdir(tmp_path)
+    args = [*PROBE, f"probe.dir={tmp_path / 'probe'}"]
+    claim_probe(args)
+    (tmp_path / "probe" / "base").mkdir()
+    (tmp_path / "probe" / "base" / "result.json").write_text('{"recipe": "baseline", "global_ba')
+    code, err = run_main(["probe", *args], capfd)
+    line = err.strip().splitlines()[-1]
+    assert code == 2 and "not a readable lbt result.json" in line and "delete that file and the same command " \
+        "resumes the base run" in line and "another folder" not in line, err

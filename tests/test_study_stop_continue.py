@@ -7,6 +7,7 @@ in the same folder is refused. A diverged run is caught before its loss is NaN a
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -126,6 +127,9 @@ def test_ctrl_c_stops_a_study_and_the_same_command_continues_it_exactly(tmp_path
     assert code == 0, err
     assert "continuing" in out and "Answer: up to" in out
     assert {name: (folder / name / "result.json").read_bytes() for name in finished} == finished
+    # One line per job this command ran, each counter once (every kept job printed the same `[k/4]`).
+    counters = re.findall(r"^\[(\d)/4\]", out, re.M)
+    assert len(counters) == 4 - len(finished) and len(set(counters)) == len(counters), out
 
     # Each job stopped mid-run ends as the same job trained straight (one process, as the study runs it).
     for job in stopped:

@@ -145,7 +145,7 @@ def study_of_job() -> Path | None:
     return Path(folder) if folder else None
 
 
-def job_line(study: Path, result: RunResult, seconds: float, parallel: int = 1, earlier: bool = False) -> str:
+def job_line(study: Path, result: RunResult, seconds: float, parallel: int = 1) -> str:
     """`[7/32] lamb W=64 b=64 B=4,096: val 98.50% test 98.35% in 41 s (about 3 min left)`.
 
     k counts the study's jobs that hold a result now (jobs end out of order); the time left is the
@@ -168,7 +168,7 @@ def job_line(study: Path, result: RunResult, seconds: float, parallel: int = 1, 
     else:
         test = f" test {result.test_acc:.2%}" if result.test_acc is not None and result.eval_split != "test" else ""
         outcome = f"{result.eval_split} {result.final_acc:.2%}{test}"
-    line = f"[{len(done)}/{len(jobs)}] {what}: {outcome} {'(finished earlier)' if earlier else f'in {seconds:.0f} s'}"
+    line = f"[{len(done)}/{len(jobs)}] {what}: {outcome} in {seconds:.0f} s"
     walls = [r.wall_seconds for r in done if r.wall_seconds]
     left = len(jobs) - len(done)
     if walls and left and not result.stopped:

@@ -271,8 +271,8 @@ def hydra_main(cfg: DictConfig) -> None:
             stopped(stopped_by(), continue_with(config, output_dir))
         if result.stopped:  # no result.json: what the job is comes from its config
             result = replace(failure_result({**config, "overrides": overrides}, recipe, ""), error=None, stopped=True)
-        if study is not None:
-            say_job(study, result, time.perf_counter() - started, hydra_cfg, earlier)
+        if study is not None and not earlier:  # the study's header counts the jobs it keeps
+            say_job(study, result, time.perf_counter() - started, hydra_cfg)
         return
     except (ConfigError, WorkerDied) as error:
         if str(error) and study is None:
@@ -315,10 +315,10 @@ def finished_here(run_dir: str) -> bool:
         return True  # damaged, but someone's: kept
 
 
-def say_job(study: Path, result: RunResult, seconds: float, hydra_cfg: Any, earlier: bool = False) -> None:
+def say_job(study: Path, result: RunResult, seconds: float, hydra_cfg: Any) -> None:
     """A study's job ends with one line on the terminal (its whole log is in its train.log)."""
     parallel = int(hydra_cfg.launcher.get("n_jobs") or 1) if "launcher" in hydra_cfg else 1
-    print(job_line(study, result, seconds, parallel, earlier), flush=True)
+    print(job_line(study, result, seconds, parallel), flush=True)
 
 
 def failure_result(config: dict[str, Any], recipe: str | None, message: str) -> RunResult:

@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -370,12 +371,17 @@ def load_model_and_optimizer(model: torch.nn.Module, optimizer: torch.optim.Opti
     parallelism; read from the shards, on any number of processes, when sharded)."""
     if "shards_dir" in main:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        state = shard_state(model, optimizer, ctx)  # the layout to read into: this run's shards
+        # The layout to read into: this run's shards, or whole tensors where one process holds the whole model
+        # (dist.shard=fsdp on one process shards nothing): torch.distributed.checkpoint reshards as it reads.
+        state = shard_state(model, optimizer, ctx)
         if state is None:
-            raise ConfigError("the checkpoint is sharded (dist.shard=fsdp) and this run is not: resume it sharded")
-        dcp.load(state, checkpoint_id=main["shards_dir"])
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            state = {"model": model_state, "optimizer": optimizer_state}
+        with warnings.catch_warnings():  # one process without a group: what dcp says it assumes is meant
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=main["shards_dir"], no_dist=not dist.is_initialized())
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     elif ctx.tensor_parallel > 1 or ctx.sharded:
         load_full_state(model, optimizer, main["model"], main["optimizer"])

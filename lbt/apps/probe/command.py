@@ -216,6 +216,12 @@ def say_cost(spec: RunSpec, plan: ProbePlan, folder: Path) -> None:
 def run_base(folder: Path, plan: ProbePlan, overrides: list[str], again: str) -> Path:
     """The base run with its snapshots; a finished one is read, an interrupted one continued."""
     base = folder / "base"
+    if (base / "result.json").is_file():
+        try:
+            read_result(base)
+        except ResultError as error:  # cut short by a full disk: the checkpoints beside it hold the run
+            fail(f"{error}; delete that file and the same command resumes the base run from its last checkpoint: "
+                 f"{again}")
     if not finished(base):
         print(f"probe: base run -> {base}", flush=True)
         snapshots = ",".join(str(c) for c in plan.checkpoints)
