@@ -374,3 +374,21 @@ def test_a_damaged_base_result_says_to_delete_it(tmp_path, capfd, monkeypatch):
     line = err.strip().splitlines()[-1]
     assert code == 2 and "not a readable lbt result.json" in line and "delete that file and the same command " \
         "resumes the base run" in line and "another folder" not in line, err
+
+
+@pytest.mark.slow
+def test_a_probe_takes_your_own_configs_with_config_dir(tmp_path, capfd, monkeypatch):
+    """`lbt probe --config-dir DIR` was refused ("takes overrides and probe.KEY=VALUE settings, not
+    --config-dir"), though docs/own-model.md teaches `--config-dir` for the runs a probe makes."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine" / "model").mkdir(parents=True)
+    (tmp_path / "mine" / "model" / "narrow.yaml").write_text("_target_: lbt.models.MLP\nhidden: 24\nnum_layers: 2\n")
+    folder = tmp_path / "probe"
+    args = ["--config-dir", "mine", *SHORT_PROBE, "model=narrow", "probe.max_factor=2", "probe.cooldown=0",
+            f"probe.dir={folder}"]
+    code, out, err = run_main_io(["probe", *args], capfd)
+    assert code == 0, err[-2000:]
+    runs = [folder / "base", *sorted(p for p in (folder / "branches").iterdir() if p.is_dir())]
+    assert len(runs) >= 3
+    for run_dir in runs:  # the base run and every branch built the model of the user's own config
+        assert json.loads((run_dir / "result.json").read_text())["config"]["model"]["hidden"] == 24, run_dir

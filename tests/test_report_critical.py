@@ -138,3 +138,23 @@ def test_a_diverged_next_batch_closes_the_bracket(tmp_path):
 def test_b_simple_is_defined_for_plain_sgd_only(optim, name, defined):
     assert run_optimizer({"optim": optim}) == name
     assert (b_simple_undefined(name) is None) == defined
+
+
+def test_a_held_batch_better_than_the_base_is_said_better_and_gpus_in_the_singular(tmp_path):
+    """`lbt report DIR --tolerance 0.5` wrote "-0.17 points worse" for a held batch above the base, and
+    "up to 1 GPUs" where only the base batch held; it left an earlier report's accuracy_vs_gpus.png in place."""
+    for n, (world_size, acc) in enumerate(((1, 0.98), (16, 0.9817), (64, 0.95))):
+        job(tmp_path / str(n), "baseline", world_size, acc, b_simple=100.0, optimizer=SGD)
+    write_report(tmp_path, tolerance=0.5)
+    lead = (tmp_path / "report.md").read_text().splitlines()[2]
+    assert "0.17 points better than the base" in lead and "-0.17" not in lead, lead
+    other = tmp_path / "other"
+    for n, (world_size, acc) in enumerate(((1, 0.98), (16, 0.9), (64, 0.8))):
+        job(other / str(n), "baseline", world_size, acc, b_simple=100.0, optimizer=SGD)
+    (other / "accuracy_vs_gpus.png").write_bytes(b"an earlier report's, with a hybrid section")
+    summary = write_report(other, tolerance=0.5, hybrid_cap=1_000_000)
+    report = (other / "report.md").read_text()
+    assert "**Answer: up to 1 GPU (global batch" in report and "1 GPUs" not in report
+    gpus = other / "accuracy_vs_gpus.png"  # this report's figure, or none: never the earlier one
+    assert ("accuracy_vs_gpus.png" in summary["files"]) == gpus.exists()
+    assert not gpus.exists() or gpus.read_bytes().startswith(b"\x89PNG")

@@ -11,6 +11,7 @@ from typing import Any
 
 from lbt.apps.probe.plan import ProbePlan
 from lbt.apps.probe.settings import ProbeSettings
+from lbt.apps.words import count
 from lbt.metrics import branches as rules
 from lbt.metrics.critical import b_simple_undefined, run_optimizer
 from lbt.spec.result import ResultError, RunResult, read_result
@@ -193,7 +194,7 @@ def answer(plan: ProbePlan, settings: ProbeSettings, largest: int, low: int, hig
     metric, gpus = settings.criterion, largest // plan.per_worker_batch
     unit = "point" if metric.unit == "point" else "nat"
     within = f"{settings.within:g} {unit}{'s' if settings.within != 1 else ''}"
-    sentence = (f"Predicted: up to {gpus} GPUs (global batch {largest:,} at per-worker batch "
+    sentence = (f"Predicted: up to {count(gpus, 'GPU')} (global batch {largest:,} at per-worker batch "
                 f"{plan.per_worker_batch}) stay within {within} of the base batch {plan.base_batch:,} in this "
                 f"budget ({plan.budget:,} samples); interval {low:,}..{high:,}")
     top = largest == probed * plan.base_batch

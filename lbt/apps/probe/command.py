@@ -153,13 +153,18 @@ def console(level: str) -> Iterator[None]:
 
 
 def plan_probe(settings: ProbeSettings, overrides: list[str]) -> tuple[RunSpec, ProbePlan]:
-    if any(o.startswith("-") for o in overrides):
-        raise ConfigError(f"lbt probe takes overrides and probe.KEY=VALUE settings, not {overrides[0]}")
+    config_dir = next((o.split("=", 1)[1] for o in overrides if o.startswith("--config-dir=")), None)
+    overrides = [o for o in overrides if not o.startswith("--config-dir=")]
+    flags = [o for o in overrides if o.startswith("-")]
+    if flags:
+        raise ConfigError(f"lbt probe takes overrides, probe.KEY=VALUE settings and --config-dir DIR, not {flags[0]}")
+    if config_dir and not Path(config_dir).is_dir():
+        raise ConfigError(f"--config-dir {config_dir}: no such folder")
     folders = [o for o in overrides if o.startswith(("hydra.run.dir=", "hydra.sweep.dir="))]
     if folders:
         raise ConfigError(f"{folders[0]}: lbt probe writes every run of it under probe.dir (now {settings.dir}): "
                           f"give probe.dir=... instead")
-    composed = compose([o for o in overrides if not o.startswith("hydra")])
+    composed = compose([o for o in overrides if not o.startswith("hydra")], config_dir)
     spec = make_spec(composed.config, composed.recipe, overrides)
     if spec.trainer.branch_from is not None or spec.trainer.snapshot_samples:
         raise ConfigError("lbt probe sets trainer.snapshot_samples and trainer.branch_* itself")

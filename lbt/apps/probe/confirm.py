@@ -14,6 +14,7 @@ from lbt.apps.errors import fail, raise_if_stopped
 from lbt.apps.probe.plan import ProbePlan
 from lbt.apps.probe.settings import ProbeSettings
 from lbt.apps.train import train_command
+from lbt.apps.words import gpus
 from lbt.metrics.branches import shortfall
 from lbt.metrics.confirm import SEEDS, confirm_step, mean_value
 from lbt.spec.result import ResultError, RunResult, read_result
@@ -85,7 +86,7 @@ def summary(plan: ProbePlan, settings: ProbeSettings, factor: int, top: bool, re
     trained = [r for key, r in results.items() if key != (1, 0)]
     samples = sum(r.samples_seen for r in trained)
     batch = plan.batch(factor)
-    sentence = (f"Measured: up to {batch // plan.per_worker_batch} GPUs (global batch {batch:,}); took {len(trained)} "
+    sentence = (f"Measured: up to {gpus(batch // plan.per_worker_batch)} (global batch {batch:,}); took {len(trained)} "
                 f"full run(s) besides the base run, {samples / plan.sweep_samples:.0%} of a sweep")
     if top:
         sentence += "; the largest batch of the grid held, so possibly more"

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from lbt.apps.plotting import batch_axis, figure, save_figure
+from lbt.apps.words import gpus
 from lbt.metrics.tensorboard import RunLogger
 from lbt.paths import atomic_write
 from lbt.spec.objective import Metric, metric_named
@@ -145,7 +146,7 @@ def markdown(probe: dict[str, Any]) -> str:
               f"Start at the base batch and double it whenever the local critical batch reaches twice the "
               f"current one: {schedule}. Train with it: `lbt train ... technique=batch_ramp "
               f"technique.batch_ramp.mode=probe technique.batch_ramp.probe=<this folder>/probe.json`.", "",
-              f"**Answer (predicted): up to {answer['gpus']} GPUs (global batch {answer['largest_batch']:,}; interval "
+              f"**Answer (predicted): up to {gpus(answer['gpus'])} (global batch {answer['largest_batch']:,}; interval "
               f"{low:,}..{high:,})** within {settings['tolerance']:g} {metric.unit}(s) of the base batch; a study "
               f"would measure it with a full sweep at {1 / cost['share']:.1f}x this probe's compute "
               "(`probe.confirm=true` measures it around the prediction).", ""]

@@ -7,6 +7,7 @@ import math
 import re
 import time
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 from lbt.errors import ConfigError
@@ -71,6 +72,7 @@ def split_args(args: list[str]) -> tuple[ProbeSettings, list[str]]:
     values: dict[str, Any] = {}
     rest = []
     names = [f.name for f in fields(ProbeSettings)]
+    args = config_dir_flag(args)
     for arg in args:
         if not arg.startswith("probe."):
             rest.append(arg)
@@ -87,6 +89,22 @@ def split_args(args: list[str]) -> tuple[ProbeSettings, list[str]]:
     if not settings.dir:
         settings = replace(settings, dir=f"runs/probe/{time.strftime('%Y-%m-%d_%H-%M-%S')}")
     return settings.check(), rest
+
+
+def config_dir_flag(args: list[str]) -> list[str]:
+    """`--config-dir DIR` (or `-cd DIR`, `--config-dir=DIR`), your own configs as `lbt train` takes them, as one
+    `--config-dir=/absolute/DIR` element: every run of the probe gets it, from any working directory."""
+    out, given = [], iter(args)
+    for arg in given:
+        if arg in ("--config-dir", "-cd"):
+            value = next(given, None)
+            if value is None:
+                raise ConfigError(f"{arg} needs a folder ({arg} DIR)")
+            arg = f"--config-dir={value}"
+        if arg.startswith("--config-dir="):
+            arg = f"--config-dir={Path(arg.split('=', 1)[1]).expanduser().absolute()}"
+        out.append(arg)
+    return out
 
 
 def read_value(key: str, text: str) -> Any:

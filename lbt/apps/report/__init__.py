@@ -73,6 +73,8 @@ def write_report(study_dir: str | Path, target: float | None = None, tolerance: 
     if any("impossible" not in p for p in hybrid):
         plot_gpus(rows, hybrid, study_dir / gpus, judge)
         files.insert(2, gpus)
+    else:  # an earlier report's, of another tolerance or cap: it would contradict this one
+        (study_dir / gpus).unlink(missing_ok=True)
     plot_steps(rows, target, crit, study_dir / "steps_to_target.png", judge)
     plot_gns(jobs, crit, study_dir / "gns_over_training.png")
     write_tensorboard(rows, jobs, study_dir / SUMMARY_DIR)

@@ -17,6 +17,7 @@ from typing import Any
 from lbt.apps.plan.compute import compute_from_result, compute_from_step_ms
 from lbt.apps.report.jobs import Job, is_baseline
 from lbt.apps.report.rows import Row, char_level, shown, study_split
+from lbt.apps.words import gpus
 from lbt.cost.data_parallel import NETWORKS, Compute, scaling_rows
 from lbt.engine.build import data_shape
 from lbt.errors import ConfigError
@@ -130,7 +131,7 @@ def answer_lines(answer: dict[str, Any], warnings: list[str] | tuple = ()) -> li
     metric, best, split = metric_named(answer["metric"], "metric"), answer["best"], answer["split"]
     within = metric.units(answer["tolerance"])
     if best:
-        lines += ["", f"**Answer: up to {best['world_size']} GPUs (global batch {best['global_batch']:,}) with "
+        lines += ["", f"**Answer: up to {gpus(best['world_size'])} (global batch {best['global_batch']:,}) with "
                       f"{best['recipe']}**, within {within} of the smallest batch on "
                       f"{split}; past that, {metric.label} is more than {within} worse (or the run is lost). "
                       "Whether those GPUs also pay in time is `lbt plan`'s question (time per epoch vs GPU count)."]
@@ -174,7 +175,7 @@ def time_to_accuracy_lines(tta: dict[str, Any]) -> list[str]:
               f"{1e3 * o['step_s']:.2f} | {o['seconds']:,.2f} |"
               for o in sorted(tta["options"], key=lambda o: o["seconds"])]
     best = tta["best"]
-    lines += ["", f"**Fastest within the tolerance: {best['world_size']} GPUs with {best['recipe']}** "
+    lines += ["", f"**Fastest within the tolerance: {gpus(best['world_size'])} with {best['recipe']}** "
                   f"({best['seconds']:,.2f} s to the target)." if best else
               "No run within the tolerance reached the target: no time to compare."]
     return lines

@@ -130,10 +130,13 @@ def lead_line(crit: dict[str, Any], metric: Metric, text: str | None = None) -> 
     base, value, failed = crit["base"], crit["value"], crit["failed"]
     seeds = (f"mean of {crit['seeds']} seeds ± {units(crit['held_std'] / metric.unit_size)}" if crit["seeds"] > 1
              else "1 seed")
+    def than_base(amount: float) -> str:  # a held batch may do better than the base: never "-0.17 points worse"
+        return f"{units(-amount)} better" if round(amount, metric.decimals) < 0 else f"{units(amount)} worse"
+
     held = (f"At {value:,}, {crit['recipe']} reached {show(crit['held_value'])} ({seeds}; "
-            f"{units(crit['held_by'])} worse than the base)")
+            f"{than_base(crit['held_by'])} than the base)")
     if failed and crit["failed_value"] is not None:
-        bracket = (f"the next batch tried, {failed:,}, was {units(crit['failed_by'])} worse "
+        bracket = (f"the next batch tried, {failed:,}, was {than_base(crit['failed_by'])} "
                    f"({show(crit['failed_value'])}): the critical batch lies between {value:,} and {failed:,}")
     elif failed:
         bracket = (f"the next batch tried, {failed:,}, diverged or failed: the critical batch lies between {value:,} "
