@@ -51,3 +51,9 @@ def test_each_checkout_has_its_own_venv():
     assert dry.returncode == 0, dry.stderr
     assert f"{repo}/.venv/bin/python -m pytest" in dry.stdout
     assert ".venv/" in (repo / ".gitignore").read_text().splitlines()
+
+
+def test_token_folders_the_docs_write_are_ignored_by_git():
+    """`lbt tokens input.txt data/bytes` (docs/language-models.md) wrote into a data/ git did not ignore."""
+    assert "data/bytes" in (REPO / "docs" / "language-models.md").read_text()
+    assert "/data/" in (REPO / ".gitignore").read_text().splitlines()

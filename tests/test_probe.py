@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import final_params, signal_after_line, train
+from conftest import FAST, compose_config, final_params, signal_after_line, train
 from test_cli_errors import run_main, run_main_io
 from test_techniques import scalars
 
@@ -392,3 +392,42 @@ def test_a_probe_takes_your_own_configs_with_config_dir(tmp_path, capfd, monkeyp
     assert len(runs) >= 3
     for run_dir in runs:  # the base run and every branch built the model of the user's own config
         assert json.loads((run_dir / "result.json").read_text())["config"]["model"]["hidden"] == 24, run_dir
+
+
+def test_a_continued_probe_estimates_what_is_left(tmp_path):
+    """On continue, the probe printed the same total time, with nothing subtracted for finished runs."""
+    from lbt.apps.probe.command import done_samples, plan_probe
+    from lbt.apps.probe.settings import split_args
+    from lbt.spec.result import RunResult, write_result
+
+    settings, overrides = split_args([*PROBE, f"probe.dir={tmp_path}"])
+    plan = plan_probe(settings, overrides)[1]
+    assert done_samples(tmp_path, plan) == 0
+    at = plan.checkpoints[0]
+    for name in ("base", f"branches/hold_at{at}_w2_seed0", f"branches/cooldown_at{at}_w1_seed0"):
+        (tmp_path / name).mkdir(parents=True)
+        write_result(tmp_path / name, RunResult(recipe="baseline", world_size=1, per_worker_batch=8, global_batch=8,
+                                                steps=8, samples_seen=64, final_acc=0.5, final_loss=1.0))
+    (tmp_path / "branches" / f"hold_at{at}_w4_seed0").mkdir()  # started, not finished: still to train
+    assert done_samples(tmp_path, plan) == plan.budget + plan.branch_samples + plan.cooldowns[0]
+
+
+def test_the_timed_rate_leaves_out_the_first_steps(monkeypatch):
+    """The probe's and study's time estimates came from 20 steps whose first ones pay for start-up: "about
+    8.7 h at 103 samples/s" for a 21-minute probe. A first step of 2 s must not change the rate."""
+    import time
+
+    import lbt.apps.estimate as estimate
+    from lbt.engine import make_spec
+
+    spec = make_spec(*compose_config([*FAST, "model=mlp", "trainer.per_worker_batch=32"]))
+    slow_start = estimate.StepClock.after_backward
+
+    def first_step_slow(self, model, progress):
+        if not self.times:
+            time.sleep(2.0)
+        slow_start(self, model, progress)
+
+    monkeypatch.setattr(estimate.StepClock, "after_backward", first_step_slow)
+    rate = estimate.timed_rate(spec)
+    assert rate > 20 * 32 / 2.0 * 3  # the whole run's rate, 2 s of start-up in it, would be at most 320/s

@@ -222,3 +222,18 @@ def test_the_workers_of_a_killed_study_end_with_it(tmp_path):
         study.kill()
         for p in _children(study.pid):
             os.kill(p, signal.SIGKILL)
+
+
+def test_a_studys_estimate_counts_jobs_side_by_side_sharing_the_cores(monkeypatch):
+    """The study said "about 38 min", then "1.5 h left" at its first job: it divided by the 2 jobs at once,
+    though the job it timed had used both cores alone."""
+    from conftest import compose_config
+
+    from lbt.apps.study import parallel_speedup
+    from lbt.engine import make_spec
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    every_core = make_spec(*compose_config(["model=mlp", "trainer.device=cpu"]))
+    one_thread = make_spec(*compose_config(["model=mlp", "trainer.device=cpu", "trainer.threads=1"]))
+    assert parallel_speedup(every_core, 2) == 1
+    assert parallel_speedup(one_thread, 2) == 2 and parallel_speedup(one_thread, 4) == 2

@@ -24,8 +24,10 @@ from lbt.apps.train import check_sweep, train_command
 from lbt.engine import make_spec
 from lbt.errors import ConfigError
 from lbt.metrics.text_log import CONSOLE
+from lbt.parallel.process_group import pick_device
 from lbt.parallel.stop import STOP_FILE, ask_stop, forget_stop, stop_asked
 from lbt.paths import folder_lock
+from lbt.spec.run import RunSpec
 
 STUDY_HELP = """usage: lbt study [overrides]
 
@@ -164,10 +166,21 @@ def say_header(record: StudyRecord, sweep_dir: str, continued: bool, launcher: d
         spec = make_spec(compose(list(left[0].overrides)).config)
         rate, samples = timed_rate(spec), run_samples(spec)
         if samples:
-            seconds = len(left) * samples / rate / parallel
+            speedup = parallel_speedup(spec, parallel)
+            seconds = len(left) * samples / rate / speedup
             print(f"study: about {duration(seconds)} ({len(left)} jobs of about {samples:,} samples at "
-                  f"{rate:,.0f} samples/s, timed here; {parallel} at once); each job's log is its train.log, "
+                  f"{rate:,.0f} samples/s, timed here; {parallel} at once, {speedup:g}x the pace of one"
+                  f"{' on these cores' if speedup < parallel else ''}); each job's log is its train.log, "
                   "-v shows them here", flush=True)
+
+
+def parallel_speedup(spec: RunSpec, parallel: int) -> int:
+    """How much faster `parallel` jobs at once go than one: on a CPU, the timed job used every core its threads
+    could, so jobs side by side share them (the estimate said 38 min, then 1.5 h at the first job)."""
+    if pick_device(spec.trainer.device, 0).type != "cpu":
+        return parallel
+    cores = os.cpu_count() or 1
+    return max(1, min(parallel, cores // (spec.trainer.threads or cores)))
 
 
 def swept_axes(jobs: list[StudyJob]) -> dict[str, int]:

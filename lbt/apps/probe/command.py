@@ -208,14 +208,31 @@ def say_cost(spec: RunSpec, plan: ProbePlan, folder: Path) -> None:
     """Before anything runs: the samples to train at most, against the sweep's, and the time it may take."""
     rate = timed_rate(spec)
     raise_if_stopped()  # told to stop while it timed steps: no cost from a cut-off measurement
-    most = plan.most_samples
+    most, done = plan.most_samples, done_samples(folder, plan)
     print(f"probe: base run of {plan.budget:,} samples at global batch {plan.base_batch:,} with snapshots at "
           f"{', '.join(f'{c:,}' for c in plan.checkpoints)}; branches of {plan.branch_samples:,} samples at "
           f"{plan.factors[0]}x..{plan.factors[-1]}x")
     print(f"probe: at most {most:,} samples ({most / plan.sweep_samples:.0%} of the sweep it replaces: "
           f"{len(plan.factors)} world sizes x {SWEEP_SEEDS} seeds, {plan.sweep_samples:,} samples); "
-          f"about {duration(most / rate)} at {rate:,.0f} samples/s measured here (less when branches "
-          f"stop early or are pruned); folder {folder.resolve()}", flush=True)
+          f"about {duration(max(most - done, 0) / rate)}{' left' if done else ''} at {rate:,.0f} samples/s measured "
+          f"here (less when branches stop early or are pruned){f'; {done:,} trained earlier' if done else ''}; "
+          f"folder {folder.resolve()}", flush=True)
+
+
+def done_samples(folder: Path, plan: ProbePlan) -> int:
+    """The samples of the probe's runs that finished before this command: a continued probe's estimate is of
+    what is left. A held branch trains plan.branch_samples, a cooldown its checkpoint's share."""
+    done = plan.budget if finished(folder / "base") else 0
+    for run_dir in (folder / "branches").glob("*_at*_w*_seed*"):
+        if not finished(run_dir):
+            continue
+        kind, _, rest = run_dir.name.partition("_at")
+        at = int(rest.split("_w")[0])
+        if kind == "cooldown" and at in plan.checkpoints and plan.cooldowns:
+            done += plan.cooldowns[plan.checkpoints.index(at)]
+        elif kind != "cooldown":
+            done += plan.branch_samples
+    return done
 
 
 def run_base(folder: Path, plan: ProbePlan, overrides: list[str], again: str) -> Path:
