@@ -307,3 +307,15 @@ def test_numbers_out_of_range_are_one_line(tmp_path, capsys):
         assert plan_main(["--model", "mlp", *args, png]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("lbt: error: ") and says in err, err
+
+
+def test_a_plan_from_a_cpu_run_warns_and_counts_its_own_optimizers_state(tmp_path, capsys):
+    """`lbt plan --from-result` of a CPU run gave no CPU warning (it recommended W=512, the CPU's timing jitter
+    posing as straggler loss) and counted "adamw's 2 state tensors" for an SGD run."""
+    from conftest import train
+
+    train(tmp_path / "run", ["model=mlp", "trainer.epochs=1"])
+    assert plan_main(["--from-result", str(tmp_path / "run" / "result.json"), "--max-workers", "16"]) == 0
+    out = capsys.readouterr().out
+    assert f"warning: {tmp_path / 'run' / 'result.json'} was trained on a CPU: every step time below" in out
+    assert "gradients and sgd's 1 state tensor per parameter" in out and "adamw" not in out

@@ -66,6 +66,8 @@ def finished_result(spec: RunSpec, parts: Parts, result: RunResult) -> RunResult
     result.steps_per_epoch, result.base_lr = layout.steps_per_epoch(parts.data.num_train), spec.base_lr
     result.epochs = round(result.samples_seen / max(parts.data.num_train, 1), 4)  # what ran, not what was asked
     result.token, result.techniques, result.config = parts.data.token, describe_techniques(parts), dict(spec.config)
+    result.device = next(parts.model.parameters()).device.type if any(True for _ in parts.model.parameters()) \
+        else None
     undefined = b_simple_undefined(run_optimizer(spec.config))
     if undefined and B_SIMPLE in {*result.technique_metrics, *result.technique_curves}:
         # Measured (it costs the run nothing), but no critical batch for this step: not reported as one.

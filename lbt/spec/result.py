@@ -80,6 +80,7 @@ class RunResult:
     eval_seconds: float = 0.0  # evaluating the held-out split during training (not in train_seconds)
     wall_seconds: float = 0.0
     samples_per_sec: float = 0.0
+    device: str | None = None  # where the steps ran ("cpu", "cuda"): a CPU's timings are no GPU's (lbt plan)
     diverged: bool = False
     stopped: bool = False  # by SIGTERM/SIGINT after a checkpoint: a stopped run writes no result.json
     ended_at_target: bool = False  # trainer.stop_at_val_*: ended at the first evaluation that reached it

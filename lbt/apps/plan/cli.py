@@ -43,6 +43,7 @@ from lbt.cost.tensor_parallel import split_rows, tensor_parallel_options
 from lbt.data.base import DataShape
 from lbt.engine.build import data_shape
 from lbt.errors import ConfigError
+from lbt.metrics.critical import run_optimizer
 from lbt.spec.result import RunResult
 from lbt.spec.targets import Target
 
@@ -190,9 +191,9 @@ def _memory_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard", choices=["none", "fsdp"], default="none",
                         help="none: every GPU holds the whole model (DDP); fsdp: sharded (dist.shard=fsdp), whose "
                              "traffic the table then shows (default none; memory lines show both)")
-    parser.add_argument("--optimizer", choices=list(OPTIMIZER_SLOTS), default="adamw",
+    parser.add_argument("--optimizer", choices=list(OPTIMIZER_SLOTS), default=None,
                         help="whose state the memory per GPU counts (sgd and lars: 1 tensor per parameter; adamw, "
-                             "adam and lamb: 2; default adamw)")
+                             "adam and lamb: 2; default: --from-result's optimizer, else adamw)")
     parser.add_argument("--gpu-memory-gb", type=float, metavar="GB",
                         help="memory per GPU, for the fewest GPUs the model trains on (default: --gpu's datasheet)")
 
@@ -285,11 +286,12 @@ def plan_main(argv: list[str]) -> int:
         return plan_splits(inputs, options, title)
     rows = scaling_rows(inputs.compute, inputs.network, worker_counts(options.max_workers), inputs.train_samples,
                         options.compression, options.overlap, inputs.critical_batch, options.delay, options.shard)
-    memory = model_memory(inputs.model, inputs.shape, options.optimizer)
+    optimizer = options.optimizer or inputs.optimizer
+    memory = model_memory(inputs.model, inputs.shape, optimizer)
     gpu_gb = options.gpu_memory_gb or (MEMORY_GB[options.gpu] if options.gpu else None)
     return show(format_table(rows, options.shard),
                 summarize(rows, inputs.critical_batch, inputs.critical_name)
-                + memory_lines(memory, options.optimizer, [r.workers for r in rows], gpu_gb),
+                + memory_lines(memory, optimizer, [r.workers for r in rows], gpu_gb),
                 plot(rows, plot_path(options), title, inputs.critical_batch))
 
 
@@ -322,6 +324,7 @@ class PlanInputs:
     critical_why: str | None = None  # whose critical batch (a study's answer for a recipe), in words
     critical_name: str | None = None  # the same in a few words, for the summary
     warnings: tuple[str, ...] = ()
+    optimizer: str = "adamw"  # whose state the memory per GPU counts: the result's optimizer, else AdamW's
 
 
 def check_options(options: argparse.Namespace) -> None:
@@ -411,8 +414,10 @@ def plan_inputs(options: argparse.Namespace) -> PlanInputs:
         warnings.append(f"the study ran {study.per_worker_batch} samples per GPU and this plan b={b}: the same "
                         f"critical batch is reached at another W than the study's {study.world_size} GPUs")
     critical = study.value if study is not None else options.critical_batch
+    optimizer = str(run_optimizer(run.config) or "").lower() if run is not None else ""
     return PlanInputs(compute, model, shape, name, _network(options), n, n_from, critical,
-                      study.why if study else None, study.name if study else None, tuple(warnings))
+                      study.why if study else None, study.name if study else None, tuple(warnings),
+                      optimizer if optimizer in OPTIMIZER_SLOTS else "adamw")
 
 
 def worker_compute(options: argparse.Namespace, model: Target, shape: DataShape, b: int, name: str,
@@ -427,7 +432,12 @@ def worker_compute(options: argparse.Namespace, model: Target, shape: DataShape,
                          "the step times below are lower bounds; measure a real step and give --step-ms"] \
             if launch_bound else []
     if run is not None:
-        return compute_from_result(options.from_result)[0], []
+        configured = (run.config.get("trainer") or {}).get("device")
+        on_cpu = run.device == "cpu" or (run.device is None and configured == "cpu")
+        return compute_from_result(options.from_result)[0], [
+            f"{options.from_result} was trained on a CPU: every step time below is that CPU's, not a GPU's, and its "
+            "timing jitter reads as straggler loss at large W; for a GPU give --gpu NAME (a published throughput) "
+            "or --step-ms measured on one"] if on_cpu else []
     if options.step_ms is not None:
         return compute_from_step_ms(options.step_ms, model, shape, b, name), []
     has_gpu = torch.cuda.is_available()
