@@ -438,3 +438,23 @@ def test_fair_runs_transformer1ds_longer_budget_with_the_first_budgets_target(mo
     calls.clear()
     fair.main(["--workload", "cnn1d", "--recipes", "baseline", "--dir", str(tmp_path)])  # no longer budget
     assert [log for _, log in calls] == [tmp_path / "tune.log"]
+
+
+def test_a_chance_level_tuned_cell_is_warned_of_and_left_out_of_the_lr_fit():
+    """`lbt tune` reported a chance-level "tuned" result (9.6% beside 72.5% untuned) and fitted an LR exponent
+    from it, without a warning."""
+    from lbt.apps.tune.report import lr_fit, tuning_failed
+
+    def cell(batch: int, lr: float, tuned: float, untuned: float) -> dict:
+        return {"series": "baseline", "global_batch": batch, "scaling": "none",
+                "best": {"diverged": False, "peak_lr": lr, "base_lr": lr},
+                "tuned": {"val_mean_std": [tuned, 0.0]}, "default": {"val_mean_std": [untuned, 0.0]}}
+
+    good = [cell(64, 0.1, 0.90, 0.88), cell(256, 0.2, 0.89, 0.87), cell(1024, 0.4, 0.85, 0.85)]
+    failed = cell(4096, 30.0, 0.096, 0.725)
+    assert [tuning_failed(c) for c in good] == [None, None, None]
+    assert tuning_failed(failed) == (
+        "baseline at global batch 4,096: tuned val 9.60% is 62.9 points worse than the untuned defaults' 72.50%; its "
+        "best trial is no optimum (widen tune.space or give more tune.trials), and its LR is left out of the fit")
+    fit = lr_fit("baseline", [*good, failed])
+    assert fit["batches"] == [64, 256, 1024] and fit["exponent"] == pytest.approx(0.5)

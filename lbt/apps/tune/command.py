@@ -53,6 +53,8 @@ def tune(args: list[str]) -> dict:
         return summary
     print(f"tune finished in {time.perf_counter() - started:.0f} s: {count(new_runs['trials'], 'new trial')}, "
           f"{count(new_runs['finals'], 'new final run')}{' in this process' if s.workers > 1 else ''}", flush=True)
+    for warning in summary.get("warnings", []):
+        print(f"warning: {warning}", flush=True)
     current = "" if written else " (current: written by another worker, or before)"
     print(f"report: {folder / 'tune_report.md'}{current}; trials: optuna-dashboard {storage.dashboard}; "
           f"final runs, tuned vs untuned: lbt report {folder / 'final'}", flush=True)
