@@ -42,7 +42,7 @@ from lbt.apps.report.trust import judge_study
 from lbt.apps.study_folder import expected_jobs
 from lbt.errors import ConfigError
 from lbt.paths import atomic_write
-from lbt.spec.objective import metric_named
+from lbt.spec.objective import Metric, metric_named
 
 __all__ = ["Job", "Row", "aggregate", "answer_lines", "default_target", "gpu_answer", "load_jobs", "write_report"]
 
@@ -67,14 +67,10 @@ def write_report(study_dir: str | Path, target: float | None = None, tolerance: 
     beside = None if trust.withheld else probe_beside(study_dir, jobs, answer)
     text = markdown(rows, target, crit, answer, judge, hybrid, hybrid_cap is not None, trust, probe_lines(beside))
     atomic_write(study_dir / "report.md", lambda f: f.write(text.encode()))  # a full disk keeps the old one
-    curves, gpus = f"{judge.label}_vs_batch.png", f"{judge.label}_vs_gpus.png"
+    curves = f"{judge.label}_vs_batch.png"
     vertical_lines = plot_metric_vs_batch(rows, crit, study_dir / curves, judge, measured, trust.withheld)
-    files = ["report.md", curves, "steps_to_target.png", "gns_over_training.png", "summary.json", SUMMARY_DIR]
-    if any("impossible" not in p for p in hybrid):
-        plot_gpus(rows, hybrid, study_dir / gpus, judge)
-        files.insert(2, gpus)
-    else:  # an earlier report's, of another tolerance or cap: it would contradict this one
-        (study_dir / gpus).unlink(missing_ok=True)
+    files = ["report.md", curves, *plot_hybrid(rows, hybrid, study_dir, judge), "steps_to_target.png",
+             "gns_over_training.png", "summary.json", SUMMARY_DIR]
     plot_steps(rows, target, crit, study_dir / "steps_to_target.png", judge)
     plot_gns(jobs, crit, study_dir / "gns_over_training.png")
     write_tensorboard(rows, jobs, study_dir / SUMMARY_DIR)
@@ -136,3 +132,14 @@ def job_summary(job: Job) -> dict[str, Any]:
     else:
         entry["error"] = result.error
     return entry
+
+
+def plot_hybrid(rows: list[Row], hybrid: list[dict], study_dir: Path, judge: Metric) -> list[str]:
+    """<metric>_vs_gpus.png when the hybrid section has a point to draw (its name, to list), else none: an
+    earlier report's, of another tolerance or cap, is removed, as it would contradict this one."""
+    gpus = f"{judge.label}_vs_gpus.png"
+    if any("impossible" not in p for p in hybrid):
+        plot_gpus(rows, hybrid, study_dir / gpus, judge)
+        return [gpus]
+    (study_dir / gpus).unlink(missing_ok=True)
+    return []
