@@ -244,15 +244,28 @@ def test_a_dead_workers_trial_is_retried_at_its_own_slot_with_its_own_point(tmp_
     """Start a tune twice on one tune.dir and `kill -9` the worker of a running trial: the survivor reran it
     with the next trial's point (lr 2.575, 2.575, 0.2485 instead of 0.2122, 2.575, 0.2485), because the free
     slot was counted, not read. A retried trial draws exactly its own slot's point, whichever slot died."""
+    retried_at_its_own_slot(open_storage(name, tmp_path / "tune", 10), tmp_path, dead)
+
+
+@pytest.mark.slow  # the server's processes
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")
+def test_a_dead_workers_trial_is_retried_at_its_own_slot_on_postgresql(tmp_path, postgres):
+    """The same, every slot, on a real PostgreSQL server."""
+    store = open_storage(postgres, tmp_path / "tune", 10)
+    for dead in range(3):
+        retried_at_its_own_slot(store, tmp_path, dead, study_name=f"slots-{dead}")
+
+
+def retried_at_its_own_slot(store, tmp_path, dead: int, study_name: str | None = None) -> None:
+    """Three workers claim a cell's three slots and draw their points; slot `dead`'s worker dies; the next claim
+    retries that slot and draws that point, and then no slot is free."""
     from lbt.apps.tune.grid import tune_grid
     from lbt.apps.tune.trials import claim_trial
 
     grid = tune_grid(["model=mlp", "data=synthetic", "data.val_fraction=0.1", "recipe=baseline", "dist.world_size=1",
-                      "tune.trials=3",
-                      "tune.pruner=none", f"tune.dir={tmp_path / 'tune'}"])
+                      "tune.trials=3", "tune.pruner=none", f"tune.dir={tmp_path / 'tune'}"])
     cell = grid.cells[0]
-    store = open_storage(name, tmp_path / "tune", 10)
-    study = optuna.create_study(storage=store.optuna, study_name=cell.name)
+    study = optuna.create_study(storage=store.optuna, study_name=study_name or cell.name)
     claims, points = [], []
     for _ in range(3):  # each worker draws its point right after its claim, as run_trial does
         claims.append(claim_trial(grid, cell, study, store))
