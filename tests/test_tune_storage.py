@@ -133,8 +133,8 @@ def two_commands(args: list[str], cwd: Path) -> None:
 
 @pytest.mark.slow
 def test_two_tune_commands_on_one_fresh_folder_share_its_trials(tmp_path, one_worker):
-    """Issue 32, item 8: the database is created once, each trial runs in one process, none is failed, the
-    report is written once (the other process finds it current), and it is the one-worker report."""
+    """Two `lbt tune` on one new tune.dir: the database is created once, each trial runs in one process, none is
+    failed, the report is written once (the other process finds it current), and it is the one-worker report."""
     folder = tmp_path / "tune"
     two_commands([*GRID, f"tune.dir={folder}"], tmp_path)
     summary = json.loads((folder / "tune_summary.json").read_text())
