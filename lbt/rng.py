@@ -10,8 +10,9 @@ import numpy as np
 import torch
 
 
-def numpy_rng_state(state: tuple) -> list:
+def numpy_rng_state(state: tuple | dict[str, Any]) -> list:
     """np.random's state tuple with its key array as a tensor (torch.load(weights_only=True) reads it)."""
+    assert isinstance(state, tuple), "np.random.get_state()'s legacy form is a tuple"
     name, keys, *rest = state
     return [name, torch.from_numpy(keys.astype(np.int64)), *rest]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import re
 import types
 import typing
@@ -53,8 +54,8 @@ def hydra_schema(spec: type) -> type:
     fields = []
     for f in dataclasses.fields(spec):
         kind = omegaconf_type(hints[f.name])
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        value = dataclasses.field(default_factory=lambda d=default: list(d)) if isinstance(default, tuple) \
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]
+        value: Any = dataclasses.field(default_factory=functools.partial(list, default)) if isinstance(default, tuple) \
             else dataclasses.field(default=default)
         fields.append((f.name, kind, value))
     return dataclasses.make_dataclass(f"{spec.__name__}Schema", fields)
@@ -162,7 +163,7 @@ def sweep_settings(overrides: list[str] | tuple[str, ...] = (), config_name: str
         parsed = OverridesParser.create().parse_overrides(list(overrides))
     except Exception as error:
         raise ConfigError(one_line(error)) from None
-    plain = [o.input_line for o in parsed if not o.is_sweep_override()]  # one job's config says the sweep's
+    plain = [str(o.input_line) for o in parsed if not o.is_sweep_override()]  # one job's config says the sweep's
     with initialize_config_dir(str(conf_dir()), version_base="1.3", job_name="lbt_sweep"):
         try:
             hydra_node = hydra_compose(config_name, overrides=plain, return_hydra_config=True).hydra

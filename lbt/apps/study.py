@@ -176,7 +176,7 @@ def say_header(record: StudyRecord, sweep_dir: str, continued: bool, launcher: d
 
 def parallel_speedup(spec: RunSpec, parallel: int) -> int:
     """How much faster `parallel` jobs at once go than one: on a CPU, the timed job used every core its threads
-    could, so jobs side by side share them (the estimate said 38 min, then 1.5 h at the first job)."""
+    could, so jobs side by side share them (dividing by `parallel` alone would put a 1.5 h study at 38 min)."""
     if pick_device(spec.trainer.device, 0).type != "cpu":
         return parallel
     cores = os.cpu_count() or 1
@@ -265,7 +265,8 @@ def extra_sweeps(args: list[str]) -> list[tuple[str, list[str]]]:
     """
     try:
         parsed = OverridesParser.create().parse_overrides([a for a in args if not a.startswith("-")])
-        plain = [o.input_line for o in parsed if not o.is_sweep_override() and not o.key_or_group.startswith("hydra")]
+        plain = [str(o.input_line) for o in parsed
+                 if not o.is_sweep_override() and not o.key_or_group.startswith("hydra")]
         extra = compose(plain, job_name="lbt_study").config.get("extra_sweeps") or {}
     except ConfigError as error:
         fail(str(error))

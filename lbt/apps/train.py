@@ -47,7 +47,7 @@ def hydra_flags() -> argparse.ArgumentParser:
     """The flags of Hydra's command line (`-m`, `--cfg`, `--config-dir`, ...; Hydra's own parser is private),
     so lbt can tell them from the overrides before it hands argv to Hydra, in any order."""
     parser = argparse.ArgumentParser(prog="lbt train", add_help=False)
-    parser.error = lambda message: fail(f"lbt train: {message}")  # type: ignore[method-assign,assignment]
+    parser.error = lambda message: fail(f"lbt train: {message}")  # type: ignore[method-assign]
     parser.add_argument("overrides", nargs="*")
     for flags in (("-m", "--multirun"), ("-h", "--help"), ("-hh", "--hydra-help"), ("--resolve",)):
         parser.add_argument(*flags, action="store_true")
@@ -225,7 +225,7 @@ def print_job_config(overrides: list[str], config_dir: str | None, config_name: 
 def first_job(overrides: list[str]) -> list[str]:
     parsed = OverridesParser.create().parse_overrides(overrides)
     return [f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" if o.is_sweep_override()
-            else o.input_line for o in parsed]
+            else str(o.input_line) for o in parsed]
 
 
 def check_sweep(sweep_dir: str) -> None:
@@ -250,8 +250,9 @@ def hydra_main(cfg: DictConfig) -> None:
     # In a sweep, a failing job is recorded in its result.json and the sweep goes on.
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
     overrides = list(hydra_cfg.overrides.task)
-    config = OmegaConf.to_container(cfg, resolve=True)
-    assert isinstance(config, dict)
+    container = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(container, dict)
+    config = {str(k): v for k, v in container.items()}
     study = study_of_job()
     if sweeping and stop_asked() is not None:
         return  # its study is stopping: this job does not start (the same command runs it later)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
@@ -13,6 +13,14 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from lbt.errors import ConfigError
+
+
+def dataset_size(dataset: Dataset) -> int:
+    """A map-style dataset's length: torch's Dataset declares no __len__, though every one lbt samples from
+    by index has one."""
+    if not isinstance(dataset, Sized):
+        raise TypeError(f"{type(dataset).__name__} has no len(): lbt samples map-style datasets by index")
+    return len(dataset)
 
 
 class InMemoryDataset(Dataset):
@@ -110,14 +118,15 @@ class DataSplits:
     @property
     def num_train(self) -> int:
         """Training samples per epoch (every lbt dataset has a length; torch's Dataset type does not say so)."""
-        return len(self.train)  # type: ignore[arg-type]
+        return dataset_size(self.train)
 
     def to(self, device: torch.device) -> DataSplits:
         """The in-memory splits moved to `device` once, so batches are gathered there; others stay as they are."""
         def moved(dataset: Dataset | None) -> Dataset | None:
             return dataset.to(device) if isinstance(dataset, InMemoryDataset) else dataset
 
-        return replace(self, train=moved(self.train), val=moved(self.val), test=moved(self.test))
+        train = self.train.to(device) if isinstance(self.train, InMemoryDataset) else self.train
+        return replace(self, train=train, val=moved(self.val), test=moved(self.test))
 
 
 def split_validation(
@@ -147,7 +156,7 @@ def split_validation(
                               "hold out a validation split with data.val_fraction > 0")
         return DataSplits(train, val=None, test=test, num_classes=num_classes, input_shape=input_shape)
 
-    n = len(train)
+    n = dataset_size(train)
     n_val = n - train_size(n, val_fraction)
     if not 0 < n_val < n:
         raise ConfigError(
@@ -158,11 +167,12 @@ def split_validation(
     order = torch.randperm(n, generator=torch.Generator().manual_seed(val_seed))
     val_idx, train_idx = order[:n_val], order[n_val:]
     val_source = train if eval_train is None else eval_train
+    new_train: Dataset
+    val: Dataset
     if isinstance(train, InMemoryDataset) and isinstance(val_source, InMemoryDataset):
         # Index the tensors so the trainer keeps its fast batch gathering.
         new_train = InMemoryDataset(train.x[train_idx], train.y[train_idx])
         val = InMemoryDataset(val_source.x[val_idx], val_source.y[val_idx])
     else:
-        new_train = Subset(train, train_idx.tolist())
-        val = Subset(val_source, val_idx.tolist())
+        new_train, val = Subset(train, train_idx.tolist()), Subset(val_source, val_idx.tolist())
     return DataSplits(new_train, val=val, test=test, num_classes=num_classes, input_shape=input_shape)

@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lbt.data.base import InMemoryDataset
+from lbt.data.base import InMemoryDataset, dataset_size
 from lbt.data.sampling import shard_indices
 from lbt.spec.batching import BatchLayout
 
@@ -63,14 +63,14 @@ class StepBatches:
         self.device = device
         self.num_workers = num_workers
         self.memory_format = memory_format
-        self.steps_per_epoch = layout.steps_per_epoch(len(dataset))
+        self.steps_per_epoch = layout.steps_per_epoch(dataset_size(dataset))
         self.steps: list[list[int]] = []  # the DataLoader's batch sampler: the steps being loaded
         self._loader: DataLoader | None = None
 
     def step_indices(self, epoch: int) -> torch.Tensor:
         """(steps, workers_per_proc * per_worker_batch): this process's indices per step."""
         b = self.per_worker_batch
-        shards = shard_indices(len(self.dataset), self.world_size, self.seed, epoch)[self.local_workers]
+        shards = shard_indices(dataset_size(self.dataset), self.world_size, self.seed, epoch)[self.local_workers]
         steps = shards[:, : self.steps_per_epoch * b].reshape(self.workers_per_proc, self.steps_per_epoch, b)
         # worker-major within a step: chunk i of a step's batch is local worker i's batch
         return steps.permute(1, 0, 2).reshape(self.steps_per_epoch, self.workers_per_proc * b)
@@ -126,7 +126,7 @@ def eval_batches(dataset: Dataset, rank: int, procs: int, batch: int, device: to
     Every process gets as many batches as the largest share has: a share that runs out first gets empty
     ones, since a sharded model (dist.shard=fsdp) gathers its parameters with every forward, which all
     processes must make together."""
-    largest_share = math.ceil(math.ceil(len(dataset) / procs) / batch)  # rank 0's, in batches
+    largest_share = math.ceil(math.ceil(dataset_size(dataset) / procs) / batch)  # rank 0's, in batches
     count = 0
     for inputs, labels in _share_batches(dataset, rank, procs, batch, device, num_workers, memory_format):
         count += 1
@@ -147,7 +147,7 @@ def _share_batches(dataset: Dataset, rank: int, procs: int, batch: int, device: 
             inputs = x[start : start + batch].to(device).contiguous(memory_format=memory_format)
             yield inputs, y[start : start + batch].to(device)
         return
-    subset = torch.utils.data.Subset(dataset, range(rank, len(dataset), procs))
+    subset = torch.utils.data.Subset(dataset, range(rank, dataset_size(dataset), procs))
     loader = DataLoader(subset, batch_size=batch, num_workers=num_workers, pin_memory=device.type == "cuda",
                         multiprocessing_context=worker_context() if num_workers else None)
     for inputs, labels in loader:

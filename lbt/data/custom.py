@@ -8,6 +8,8 @@ does for its own data; TensorDatasets become in-memory datasets (one index_selec
 
 from __future__ import annotations
 
+from collections.abc import Sized
+
 from torch.utils.data import Dataset, TensorDataset
 
 from lbt.data.base import DataShape, DataSplits, InMemoryDataset, split_validation
@@ -35,7 +37,7 @@ def build_custom(
     if not (isinstance(loaded, tuple) and len(loaded) == 2):
         raise ConfigError(f"data.dataset={dataset} must return (train, test) datasets, got {type(loaded).__name__}")
     train, test = (in_memory(d) for d in loaded)
-    if not isinstance(train, Dataset) or not len(train):
+    if not isinstance(train, Dataset) or not isinstance(train, Sized) or not len(train):
         raise ConfigError(f"data.dataset={dataset}: its train split is not a non-empty torch Dataset")
     sample = train[0][0]
     if tuple(sample.shape) != tuple(input_shape):

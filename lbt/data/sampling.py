@@ -1,7 +1,7 @@
 """The data order of a run: which samples each worker takes at each step.
 
 The order is defined by the global batch, so every (world_size, procs) layout with the same
-global batch trains on the same samples at the same step (DESIGN: exact simulation).
+global batch trains on the same samples at the same step, as exact simulation needs (docs/simulation.md).
 """
 
 from __future__ import annotations

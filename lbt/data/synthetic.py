@@ -37,16 +37,16 @@ def build_synthetic(
     if not input_shape or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in input_shape) \
             or math.prod(input_shape) > 1_000_000:
         raise ConfigError(f"data.input_shape must be positive integers (at most 1M values), got {input_shape!r}")
-    input_shape = tuple(int(s) for s in input_shape)
+    shape = tuple(int(s) for s in input_shape)
     if shape_only:
-        return DataShape(input_shape, num_classes, train_size(num_train, val_fraction))
+        return DataShape(shape, num_classes, train_size(num_train, val_fraction))
     gen = torch.Generator().manual_seed(seed)
-    teacher = torch.randn(math.prod(input_shape), num_classes, generator=gen)
+    teacher = torch.randn(math.prod(shape), num_classes, generator=gen)
 
     def sample(n: int) -> InMemoryDataset:
-        x = torch.randn(n, *input_shape, generator=gen)
+        x = torch.randn(n, *shape, generator=gen)
         y = (x.flatten(1) @ teacher).argmax(dim=1)
         return InMemoryDataset(x, y)
 
     train, test = sample(num_train), sample(num_test)
-    return split_validation(train, test, val_fraction, val_seed, num_classes, input_shape)
+    return split_validation(train, test, val_fraction, val_seed, num_classes, shape)

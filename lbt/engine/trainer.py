@@ -210,7 +210,7 @@ class Trainer:
                           "perf/samples_per_sec": window.samples_per_sec, **self.timer.window_means(),
                           **self.precision.metrics(), **self.technique_metrics()}, s.step, s.samples_seen)
         s.epoch_loss_sum += window.loss_sum
-        s.epoch_loss_count += window.count
+        s.epoch_loss_count += window.loss_count
         if bar is not None:
             bar.set_postfix(loss=f"{window.mean_loss:.4f}", acc=f"{local_acc:.3f}",
                             sps=f"{window.samples_per_sec:,.0f}")

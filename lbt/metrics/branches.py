@@ -194,7 +194,7 @@ def combined_ratios(per_checkpoint: Sequence[Mapping[int, float]], weights: Sequ
     return {k: sum(w * r[k] for w, r in zip(weights, per_checkpoint)) / total for k in sorted(common)}
 
 
-def budget_value(points: Sequence[tuple[float, float]], samples: float) -> float:
+def budget_value(points: Sequence[Sequence[float]], samples: float) -> float:
     """F(samples): the final value of a base-batch run of that many samples, from (samples, final value)
     points of runs that ended there (short cooldowns and the base run's own end), linear in log samples
     between them; below the smallest, extrapolated from the two smallest (one point: its value)."""
@@ -209,7 +209,7 @@ def budget_value(points: Sequence[tuple[float, float]], samples: float) -> float
     return v0 + t * (v1 - v0)
 
 
-def budget_shortfalls(ratios: Mapping[int, float], points: Sequence[tuple[float, float]], budget: float,
+def budget_shortfalls(ratios: Mapping[int, float], points: Sequence[Sequence[float]], budget: float,
                       metric: Metric) -> dict[int, float]:
     """Factor k -> how much worse than F(budget) a from-scratch run at k x B0 ends: F read at budget / r(k)."""
     final = budget_value(points, budget)
@@ -292,7 +292,7 @@ class Prediction:
 
 
 def predict(checkpoints: Sequence[float], per_checkpoint: Sequence[CheckpointRatios],
-            points: Sequence[tuple[float, float]], budget: float, tolerance: float, metric: Metric) -> Prediction:
+            points: Sequence[Sequence[float]], budget: float, tolerance: float, metric: Metric) -> Prediction:
     """The probe's answer for the budget: the checkpoints' ratios time-weighted (`combined_ratios`), read on
     the budget curve (`budget_shortfalls`); a factor fails where any checkpoint's branch diverged at it or
     below. Each checkpoint alone gives the interval's ends."""

@@ -86,7 +86,7 @@ class CriticalFit:
         return self.s_min * (1 + self.b_noise / batch)
 
 
-def fit_steps_to_target(batches: Sequence[float], steps: Sequence[float],
+def fit_steps_to_target(batches: Sequence[float] | np.ndarray, steps: Sequence[float] | np.ndarray,
                         missed: Sequence[tuple[float, float]] = ()) -> CriticalFit:
     """Least-squares fit of S = S_min (1 + B_noise / B) to points (B_i, S_i); seeds may repeat a B.
 
@@ -137,6 +137,7 @@ def constrained_lstsq(design: np.ndarray, floors: np.ndarray, floor_values: np.n
     gram, rhs = 2 * design.T @ design, 2 * design.T @ np.ones(len(design))
     best: tuple[float, np.ndarray, list[int]] | None = None
     indices = range(len(floors))
+    active: list[int]
     for active in [[]] + [[j] for j in indices] + [list(pair) for pair in itertools.combinations(indices, 2)]:
         g = floors[active]
         kkt = np.block([[gram, g.T], [g, np.zeros((len(active), len(active)))]])

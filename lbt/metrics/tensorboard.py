@@ -22,13 +22,22 @@ from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams as hparams_summary
 from torch.utils.tensorboard.summary import scalar as scalar_summary
+from torch.utils.tensorboard.writer import FileWriter
+
+
+def events(writer: SummaryWriter | None) -> FileWriter:
+    """The writer's event file, which takes a Summary of many tags as one event (SummaryWriter opens it
+    when made and keeps it as `file_writer`)."""
+    assert writer is not None and writer.file_writer is not None
+    return writer.file_writer
 
 
 class RunLogger:
     def __init__(self, run_dir: str | Path | None, resume_step: int = 0, resume_samples: int = 0,
                  write_every_s: float = 30.0):
         # Non-main processes pass None and log nothing.
-        self.writer = self.samples_writer = None
+        self.writer: SummaryWriter | None = None
+        self.samples_writer: SummaryWriter | None = None
         self.pending: list[tuple[dict[str, float], int, int]] = []
         self.write_every_s = write_every_s
         self.last_write = time.monotonic()
@@ -50,8 +59,8 @@ class RunLogger:
             # One event holding every tag rather than an event per tag (add_scalar):
             # fewer hand-overs to the writer thread; TensorBoard reads the two alike.
             summary = Summary(value=[v for tag, value in values.items() for v in scalar_summary(tag, value).value])
-            self.writer._get_file_writer().add_summary(summary, step)
-            self.samples_writer._get_file_writer().add_summary(summary, samples_seen)
+            events(self.writer).add_summary(summary, step)
+            events(self.samples_writer).add_summary(summary, samples_seen)
         self.pending.clear()
         self.last_write = time.monotonic()
 
@@ -61,7 +70,7 @@ class RunLogger:
             return
         params = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in params.items()}
         experiment, session_start, session_end = hparams_summary(params, metrics)
-        file_writer = self.writer._get_file_writer()
+        file_writer = events(self.writer)
         for summary in (experiment, session_start, session_end):
             file_writer.add_summary(summary)
         for tag, value in metrics.items():

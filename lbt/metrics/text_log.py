@@ -41,7 +41,7 @@ def text_log(run_dir: str | Path | None):
     handler = logging.FileHandler(Path(run_dir) / "train.log", encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S"))
     # Hydra's `hydra/job_logging=disabled` (a quiet study's, a probe's) runs logging's dictConfig with
-    # disable_existing_loggers, which disables this logger too: every job's train.log stayed empty.
+    # disable_existing_loggers, which disables this logger too: without this, every job's train.log is empty.
     LOG.disabled = False
     LOG.addHandler(handler)
     try:

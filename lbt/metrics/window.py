@@ -14,7 +14,7 @@ from lbt.parallel.process_group import DistContext, all_reduce_sum
 class WindowStats(NamedTuple):
     mean_loss: float  # over the window's steps and all workers
     loss_sum: float  # sum over processes of each process's step losses
-    count: int  # steps x processes: loss_sum / count is the mean
+    loss_count: int  # steps x processes: loss_sum / loss_count is the mean
     stop: bool  # some process was asked to stop (SIGTERM/SIGINT)
     samples_per_sec: float
     first_loss: float = math.nan  # the window's first step, averaged over processes (a run's initial loss)

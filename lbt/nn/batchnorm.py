@@ -63,7 +63,7 @@ def ghost_batch_norm(
 
     chunk_mean, chunk_var = tile(running_mean), tile(running_var)
     out = F.batch_norm(folded, chunk_mean, chunk_var, tile(weight), tile(bias), True, momentum, eps)
-    if running_mean is not None and running_var is not None:
+    if running_mean is not None and running_var is not None and chunk_mean is not None and chunk_var is not None:
         with torch.no_grad():
             # Each chunk moved its own copy of the running stats; keep their mean.
             running_mean.copy_(chunk_mean.view(chunks, c).mean(0))

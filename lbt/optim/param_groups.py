@@ -36,7 +36,8 @@ def param_groups(model: nn.Module, weight_decay: float, exclude_bias_and_norm: b
     group with `weight_decay` and a trust ratio. Empty groups are left out and
     frozen parameters (requires_grad False) are skipped.
     """
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue

@@ -108,7 +108,7 @@ def replica_parameter_count(model: nn.Module) -> int:
         numel = param.numel()  # a DTensor's is the whole tensor's
         mesh, placements = getattr(param, "device_mesh", None), getattr(param, "placements", ())
         for dim, placement in enumerate(placements):
-            if placement.is_shard() and mesh.mesh_dim_names[dim] != "dp":
+            if placement.is_shard() and mesh is not None and mesh.mesh_dim_names[dim] != "dp":
                 numel //= mesh.size(dim)
         count += numel
     return count

@@ -306,9 +306,10 @@ def _cause(codes: dict[int, int | None], failed: list[int], reports: dict[int, d
             return 2 if -code == signal.SIGABRT else 0
         return 1
 
-    seen_later = [rank for rank, code in codes.items() if code not in (None, 0) and rank not in failed]
+    exited = {rank: code for rank, code in codes.items() if code is not None}
+    seen_later = [rank for rank, code in exited.items() if code != 0 and rank not in failed]
     dead = failed + seen_later  # in the order they were seen; min() keeps the first of equal kinds
     own = [rank for rank in dead if not (reports or {}).get(rank, {"lost_peers": True})["lost_peers"]]
-    if own and not any(codes[rank] < 0 and -codes[rank] != signal.SIGABRT for rank in dead):
+    if own and not any(exited[rank] < 0 and -exited[rank] != signal.SIGABRT for rank in dead):
         return min(own, key=lambda rank: (reports or {})[rank]["time"])
-    return min(dead, key=lambda rank: kind(codes[rank]))
+    return min(dead, key=lambda rank: kind(exited[rank]))

@@ -102,7 +102,7 @@ def init_process_group(
         # torchrun's agent keeps serving one store across --max-restarts: the keys of the attempt that
         # failed (rank 0's old gloo address) would be read again, so each attempt uses keys of its own.
         agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), procs,
+        store: dist.Store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), procs,
                               is_master=rank == 0 and not agent_serves, timeout=timeout)
         store = dist.PrefixStore(f"lbt/attempt_{elastic_restarts()}", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=procs, timeout=timeout)

@@ -31,6 +31,7 @@ as DP data-parallel workers (tests/test_tensor_parallel.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -136,12 +137,12 @@ def device_mesh(device: torch.device, procs: int, tensor_parallel: int):
 def parallelize(model: nn.Module, mesh, model_name: str) -> list[Split]:
     """Split the model's dense layers over the mesh's "tp" dimension, in place; return the splits."""
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
     tensor_parallel = mesh["tp"].size()
     splits = dense_splits(model)
     check_splittable(splits, tensor_parallel, model_name)
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+    styles: dict[str, Callable[[], ParallelStyle]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
               "gather": lambda: ColwiseParallel(output_layouts=Replicate())}
     parallelize_module(model, mesh["tp"], {split.name: styles[split.style]() for split in splits})
     return splits

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from lbt.errors import ConfigError
 
@@ -33,7 +34,7 @@ class Metric:
     suffix: str  # after a shown value in a sentence ("%")
 
     @property
-    def direction(self) -> str:
+    def direction(self) -> Literal["minimize", "maximize"]:
         """Optuna's word for it: maximize or minimize."""
         return "maximize" if self.higher_is_better else "minimize"
 

@@ -155,9 +155,9 @@ RANGES = {"acc": (0.0, 1.0), "loss": (0.0, math.inf)}
 
 
 def check_fields(values: dict[str, Any]) -> None:
-    """Every field a reader answers from has its type and range, or ValueError naming it: a NaN accuracy once
-    gave an answer, a negative batch a critical batch of -64, and a string a traceback. A failed job's result
-    says why it failed; its numbers are not read."""
+    """Every field a reader answers from has its type and range, or ValueError naming it: unchecked, a NaN
+    accuracy would give an answer, a negative batch a critical batch of -64, and a string a traceback. A failed
+    job's result says why it failed; its numbers are not read."""
     if values.get("error") is not None:
         return
     for key in LAYOUT_FIELDS:

@@ -336,7 +336,7 @@ def run_identity(config: Mapping[str, Any], per_worker_batch: int, global_batch:
     world size 2 are the same run.
     """
     flat = {key: value for key, value in _flatten(config).items() if not _may_change(key)}
-    if flat.get("dist.shard") == "none":  # the default, and what runs before dist.shard existed were
+    if flat.get("dist.shard") == "none":  # the default, dropped: a config that lacks the key ties the same run
         del flat["dist.shard"]
     flat["trainer.per_worker_batch"], flat["trainer.global_batch"] = per_worker_batch, global_batch
     return flat

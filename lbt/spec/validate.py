@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TypeVar
 
 from lbt.errors import ConfigError
+
+T = TypeVar("T")
 
 
 def integer(key: str, value, minimum: int = 1, maximum: int | None = None) -> int:
@@ -46,9 +49,10 @@ def _interval(low: float | None, high: float | None, low_open: bool, high_open: 
     return f"a number in {left}, {high:g}{')' if high_open else ']'}"
 
 
-def one_of(key: str, value, choices: Sequence) -> object:
-    """One of `choices` (compared with ==; None allowed when listed)."""
+def one_of(key: str, value, choices: Sequence[T]) -> T:
+    """One of `choices` (compared with ==; None allowed when listed), typed as they are (a Literal's values
+    give the Literal)."""
     if value not in choices:
         shown = ", ".join("null" if c is None else str(c) for c in choices)
         raise ConfigError(f"{key} must be one of {shown}, got {value!r}")
-    return value
+    return choices[list(choices).index(value)]

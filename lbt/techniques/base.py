@@ -34,7 +34,7 @@ the step itself (local SGD, gradient delay) is a step strategy (lbt/engine/strat
 
 from __future__ import annotations
 
-from typing import Callable, ClassVar, NamedTuple
+from typing import Callable, ClassVar, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -59,6 +59,14 @@ class Progress(NamedTuple):
     grad_scale: torch.Tensor | float = 1.0
 
 
+class SimulatedComm(Protocol):
+    """What one allreduce sends, summed over the simulated workers of a process, as their GPUs would."""
+
+    def send(self, model: nn.Module, sent: list[torch.Tensor] | None) -> list[torch.Tensor]: ...
+
+    def receive(self, model: nn.Module, sent: list[torch.Tensor]) -> None: ...
+
+
 class Technique:
     """Base class: every hook is a no-op; a technique overrides what it needs."""
 
@@ -68,7 +76,7 @@ class Technique:
     conflicts: ClassVar[dict[type, str]] = {}
     # What stands in for the allreduce between the simulated workers of one process, when the
     # technique changes what an allreduce sends (compression); see lbt.techniques.comm_compression.
-    simulated_comm = None
+    simulated_comm: SimulatedComm | None = None
     # True: the technique stands in for the LR decay (a batch ramp), so a decaying schedule beside it
     # decays twice; the run warns.
     replaces_lr_decay: ClassVar[bool] = False

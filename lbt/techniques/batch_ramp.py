@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ from lbt.techniques.gns import GradientNoiseScale
 MODES = ("milestones", "auto", "probe")
 
 
-def batch_ramp(mode: str = "milestones", milestones: list[float] = (3, 6, 8), factor: int = 2,
+def batch_ramp(mode: str = "milestones", milestones: Sequence[float] = (3, 6, 8), factor: int = 2,
                max_global_batch: int | None = None, grow: str = "per_worker_batch", threshold: float = 1.0,
                ema_decay: float = 0.95, probe: str | None = None) -> Technique:
     """The `technique.batch_ramp` node: a BatchRamp (milestones), an AutoBatchRamp (auto) or a ProbeBatchRamp."""
@@ -75,7 +76,7 @@ class BatchRamp(Technique):
     order = 5
     replaces_lr_decay = True
 
-    def __init__(self, milestones: list[float] = (3, 6, 8), factor: int = 2, max_global_batch: int | None = None,
+    def __init__(self, milestones: Sequence[float] = (3, 6, 8), factor: int = 2, max_global_batch: int | None = None,
                  grow: str = "per_worker_batch"):
         self.grow = one_of("technique.batch_ramp.grow", grow, ("per_worker_batch", "world_size"))
         self.factor = integer("technique.batch_ramp.factor", factor, 2)

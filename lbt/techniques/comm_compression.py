@@ -95,10 +95,11 @@ class SimulatedAllreduce:
 
     def send(self, model: nn.Module, sent: list[torch.Tensor] | None) -> list[torch.Tensor]:
         """Add this worker's gradient (the model's .grad, then cleared) to the 16-bit sum so far."""
-        params = [p for p in model.parameters() if p.grad is not None]
-        wire = [p.grad.to(self.dtype) for p in params]
-        for p in params:
-            p.grad = None
+        wire = []
+        for p in model.parameters():
+            if p.grad is not None:
+                wire.append(p.grad.to(self.dtype))
+                p.grad = None
         return wire if sent is None else [total.add_(part) for total, part in zip(sent, wire)]
 
     def receive(self, model: nn.Module, sent: list[torch.Tensor]) -> None:
@@ -142,7 +143,9 @@ class CommCompression(Technique):
     def comm_hook(self, inner: CommHook, ddp_model: nn.Module) -> CommHook:
         # Replaces the allreduce: the compressed hooks reduce the bucket themselves.
         # Called only with real processes (with one, nothing is allreduced).
-        params = [p for p in ddp_model.module.parameters() if p.requires_grad]
+        module = ddp_model.module
+        assert isinstance(module, nn.Module)
+        params = [p for p in module.parameters() if p.requires_grad]
         shapes = [tuple(p.shape) for p in params]
         self.device = params[0].device if params else None
         if self.kind == "powersgd":
@@ -151,9 +154,9 @@ class CommCompression(Technique):
         self.bytes_ratio = sum(compressed_bytes(s, "none") for s in shapes) / max(sent, 1)
         # Process group None: the default one, as for lbt's plain allreduce.
         if self.kind == "fp16":
-            return partial(default_hooks.fp16_compress_hook, None)
+            return partial(default_hooks.fp16_compress_hook, None)  # type: ignore[arg-type]
         if self.kind == "bf16":
-            return partial(default_hooks.bf16_compress_hook, None)
+            return partial(default_hooks.bf16_compress_hook, None)  # type: ignore[arg-type]
         self.powersgd_state = powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=self.powersgd_rank,
             start_powerSGD_iter=self.start_powersgd_iter,
@@ -168,23 +171,25 @@ class CommCompression(Technique):
                 return self._powersgd_as_checkpointed(bucket, layout)
             self.resumed_layouts = None  # DDP's buckets are the checkpointed ones now
         self.layouts[bucket.index()] = layout
+        assert self.powersgd_state is not None  # made with the hook
         return powerSGD_hook.powerSGD_hook(self.powersgd_state, bucket)
 
     def _powersgd_as_checkpointed(self, bucket, layout: list[int]) -> torch.futures.Future:
         """The first step after a resume: reduce `bucket` (every gradient, as DDP's first step
         has it) as the buckets whose PowerSGD state the checkpoint holds, one after another."""
-        saved = self.resumed_layouts
+        saved, state = self.resumed_layouts, self.powersgd_state
+        assert saved is not None and state is not None  # a resume's first step, after the hook was made
         if sorted(layout) != sorted(i for indices in saved.values() for i in indices):
             raise RuntimeError(f"PowerSGD resume: DDP bucket {bucket.index()} holds parameters {layout}, "
                                f"the checkpoint's buckets {saved}")
         grads = dict(zip(layout, bucket.gradients()))
         for index in sorted(saved):
             stand_in = _Bucket(index, index == max(saved), [grads[i] for i in saved[index]])
-            reduced = powerSGD_hook.powerSGD_hook(self.powersgd_state, stand_in).wait()
+            reduced = powerSGD_hook.powerSGD_hook(state, stand_in).wait()  # type: ignore[arg-type]
             for i, grad in zip(saved[index], stand_in.views(reduced)):
                 grads[i].copy_(grad)
             self.layouts[index] = saved[index]
-        done = torch.futures.Future()
+        done: torch.futures.Future = torch.futures.Future()
         done.set_result(bucket.buffer())
         return done
 

@@ -92,7 +92,7 @@ SMALL_PASS_PENALTY = 1.5
 def measure_every(every: int | str, workers_per_proc: int) -> int:
     """Measure on every n-th step: n as given, or for `auto` the smallest n whose extra pass costs about
     AUTO_EVERY_COST of the step (1 where the worker's gradient comes free: one worker per process)."""
-    if every != "auto":
+    if isinstance(every, int):
         return every
     if workers_per_proc == 1:
         return 1
@@ -121,9 +121,9 @@ class GradientNoiseScale(Technique):
 
     def __init__(self, ema_decay: float = 0.95, finite_population: bool = True, every: int | str = "auto"):
         number("technique.gns.ema_decay", ema_decay, 0, 1, high_open=True)
-        self.every_setting = every if every == "auto" else integer("technique.gns.every (or auto)", every, 1)
+        self.every_setting: int | str = "auto"
         if every != "auto":
-            self.worker_gradient_every = self.every_setting
+            self.every_setting = self.worker_gradient_every = integer("technique.gns.every (or auto)", every, 1)
         self.estimator = NoiseScaleEstimator(ema_decay)
         self.finite_population = finite_population
         self.worker_sq: torch.Tensor | None = None
@@ -147,7 +147,9 @@ class GradientNoiseScale(Technique):
 
     def comm_hook(self, inner: CommHook, ddp_model: nn.Module) -> CommHook:
         # Order 80: wraps any compression, so it reads the full-precision local gradient.
-        self.param_index = {id(p): i for i, p in enumerate(ddp_model.module.parameters())}
+        module = ddp_model.module
+        assert isinstance(module, nn.Module)
+        self.param_index = {id(p): i for i, p in enumerate(module.parameters())}
 
         def measure_then_reduce(bucket):
             for param, grad in zip(bucket.parameters(), bucket.gradients()):
@@ -169,7 +171,7 @@ class GradientNoiseScale(Technique):
             # The hook read the gradient before fp16's scaling was undone.
             worker_sq, small_batch = hook_sq / progress.grad_scale ** 2, progress.global_batch // procs
         else:
-            small_batch = self.worker_batch
+            small_batch = self.worker_batch or progress.global_batch  # set with worker_sq, by on_worker_gradient
         if small_batch >= progress.global_batch:
             return
         if procs > 1:

@@ -83,6 +83,7 @@ def analyse(folder: Path, plan: ProbePlan, settings: ProbeSettings, base_dir: Pa
     found = rules.predict(plan.checkpoints, [c.pop("ratios") for c in checkpoints], points, plan.budget,
                           settings.within, metric)
     largest = found.factor * plan.base_batch
+    low, high = rules.interval(found.factor, plan.factors[-1])
     alone = [k * plan.base_batch for k in found.alone]
     for point, factor in zip(checkpoints, alone):
         point["answer_alone"] = factor
@@ -103,8 +104,7 @@ def analyse(folder: Path, plan: ProbePlan, settings: ProbeSettings, base_dir: Pa
         "prediction": {str(plan.batch(k)): {"samples_ratio": r, "effective_samples": plan.budget / r,
                                             "shortfall": found.shortfalls[k], "diverged": k in found.failed}
                        for k, r in found.ratios.items()},
-        "answer": answer(plan, settings, largest, *(k * plan.base_batch for k in
-                                                   rules.interval(found.factor, plan.factors[-1])),
+        "answer": answer(plan, settings, largest, low * plan.base_batch, high * plan.base_batch,
                          found.failed, max(found.ratios, default=1)),
         "batch_schedule": [{"from_samples": at, "global_batch": b}
                            for at, b in rules.batch_schedule(plan.checkpoints, held, plan.base_batch)],

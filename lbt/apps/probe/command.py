@@ -37,6 +37,7 @@ from lbt.apps.probe.output import write_outputs
 from lbt.apps.probe.plan import SWEEP_SEEDS, ProbePlan, make_plan
 from lbt.apps.probe.settings import ProbeSettings, split_args
 from lbt.apps.train import train_command
+from lbt.data.base import dataset_size
 from lbt.engine import make_spec
 from lbt.engine.build import build_data
 from lbt.engine.checkpoint import snapshot_problem
@@ -169,7 +170,7 @@ def plan_probe(settings: ProbeSettings, overrides: list[str]) -> tuple[RunSpec, 
     if spec.trainer.branch_from is not None or spec.trainer.snapshot_samples:
         raise ConfigError("lbt probe sets trainer.snapshot_samples and trainer.branch_* itself")
     data = build_data(spec.data)
-    return spec, make_plan(spec, len(data.train), settings)
+    return spec, make_plan(spec, dataset_size(data.train), settings)
 
 
 def claim_folder(folder: Path, settings: ProbeSettings, overrides: list[str], spec: RunSpec) -> None:
@@ -178,13 +179,13 @@ def claim_folder(folder: Path, settings: ProbeSettings, overrides: list[str], sp
     A probe is its settings and its composed config less the keys that cannot change a result
     (`result_identity`): reordered overrides, an added trainer.threads=1 or another launcher continue it."""
     identity = result_identity(spec.config, spec.layout.per_worker_batch, spec.layout.global_batch)
-    record = {"overrides": overrides, "settings": {k: v for k, v in vars(settings).items() if k != "dir"},
-              "identity": identity}
+    own_settings = {k: v for k, v in vars(settings).items() if k != "dir"}
+    record = {"overrides": overrides, "settings": own_settings, "identity": identity}
     path = folder / "probe_command.json"
     if path.is_file():
         saved = json.loads(path.read_text())
-        keys = {*saved["settings"], *record["settings"]}  # by key: a None and a number do not sort together
-        differ = sorted(f"probe.{k}" for k in keys if saved["settings"].get(k) != record["settings"].get(k))
+        keys = {*saved["settings"], *own_settings}  # by key: a None and a number do not sort together
+        differ = sorted(f"probe.{k}" for k in keys if saved["settings"].get(k) != own_settings.get(k))
         if "identity" in saved:
             differ += identity_differences(saved["identity"], json.loads(json.dumps(identity)))
         elif saved["overrides"] != overrides:

@@ -119,6 +119,7 @@ def final_val(trial: optuna.trial.FrozenTrial, metric: Metric) -> float:
     if "final_val" in trial.user_attrs:  # recorded by trials.record
         value = trial.user_attrs["final_val"]
         return metric.worst if value is None else float(value)
+    assert trial.value is not None  # a finished trial
     return float(trial.value)  # a trial of a tune from before tune.objective: its value is the final val value
 
 

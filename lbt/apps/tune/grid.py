@@ -159,18 +159,18 @@ def tune_grid(args: list[str]) -> TuneGrid:
     for o in parsed:
         if o.key_or_group.startswith("tune.") and o.is_sweep_override():
             raise ConfigError(f"{o.input_line}: tune.* settings take one value")
-    head += [o.input_line for o in parsed if o.key_or_group.startswith("tune.")]
+    head += [str(o.input_line) for o in parsed if o.key_or_group.startswith("tune.")]
     rest = [o for o in parsed if o.key_or_group != "tune" and not o.key_or_group.startswith("tune.")]
-    config = compose(head + [o.input_line for o in rest if not o.is_sweep_override()], job_name="lbt_tune").config
+    config = compose(head + [str(o.input_line) for o in rest if not o.is_sweep_override()], job_name="lbt_tune").config
     tune_node = config.get("tune") or {}
     axes = dict(_sweep(parser, str(line), "tune.grid") for line in tune_node.get("grid") or [])
     fixed = []
     for o in rest:
         key = o.get_key_element()
         if o.is_sweep_override() or key in axes:
-            axes[key] = _sweep(parser, o.input_line, "the command line")[1]
+            axes[key] = _sweep(parser, str(o.input_line), "the command line")[1]
         else:
-            fixed.append(o.input_line)
+            fixed.append(str(o.input_line))
     grid = TuneGrid(Settings.from_config(tune_node), head, fixed)
     for values in itertools.product(*axes.values()):
         grid.cells.append(check_cell(grid, [f"{k}={v}" for k, v in zip(axes, values)]))

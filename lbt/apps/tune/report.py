@@ -42,8 +42,8 @@ def claimed_exponent(scaling: str) -> float:
 
 def tuning_failed(cell: dict, metric: Metric = ACC) -> str | None:
     """Why a cell's tuned result is no optimum, or None: its tuned runs end more than the metric's tolerance
-    worse on val than the recipe's untuned defaults (a chance-level "tuned" 9.6% beside 72.5% untuned was
-    reported, and its LR fitted, without a word)."""
+    worse on val than the recipe's untuned defaults (unwarned, a chance-level "tuned" 9.6% beside 72.5%
+    untuned would be reported as tuned, and its LR fitted)."""
     tuned, untuned = tuned_mean(cell, "val"), mean_of(cell.get("default"), "val")
     if tuned is None or untuned is None:
         return None
@@ -67,7 +67,7 @@ def lr_fit(series: str, members: list[dict], metric: Metric = ACC) -> dict[str, 
     a cell whose tuning failed (`tuning_failed`) is left out."""
     usable = sorted((c for c in members if c["best"] and not c["best"]["diverged"] and (c["best"]["peak_lr"] or 0) > 0
                      and tuning_failed(c, metric) is None), key=lambda c: c["global_batch"])
-    fit = {"series": series, "scalings": sorted({c["scaling"] for c in members}),
+    fit: dict[str, Any] = {"series": series, "scalings": sorted({c["scaling"] for c in members}),
            "claimed": sorted({claimed_exponent(c["scaling"]) for c in members}),
            "batches": [c["global_batch"] for c in usable], "peak_lrs": [c["best"]["peak_lr"] for c in usable],
            "base_lrs": [c["best"]["base_lr"] for c in usable], "exponent": None, "coefficient": None,
@@ -109,6 +109,14 @@ def tuned_mean(cell: dict, split: str) -> float | None:
     return mean_of(cell.get("tuned"), split)
 
 
+def scored_mean(cell: dict, split: str) -> float:
+    """tuned_mean of a cell known to have one (its final runs finished)."""
+    value = tuned_mean(cell, split)
+    if value is None:
+        raise ValueError(f"cell {cell.get('cell')!r} has no tuned {split} mean")
+    return value
+
+
 def gaps_to_base(cells: list[dict], metric: Metric = ACC) -> dict:
     """Test accuracy (or loss: `metric`) lost at each batch against the tuned smallest batch, per curve and
     for the best curve.
@@ -123,21 +131,23 @@ def gaps_to_base(cells: list[dict], metric: Metric = ACC) -> dict:
         return {"reference": None, "batches": []}
 
     def on_val(c: dict) -> float:
-        return metric.score(tuned_mean(c, "val"))
+        return metric.score(scored_mean(c, "val"))
 
     smallest = min(c["global_batch"] for c in scored)
     reference = max((c for c in scored if c["global_batch"] == smallest), key=on_val)
-    ref_test = tuned_mean(reference, "test")
-    gaps = {"metric": metric.name, "reference": {"cell": reference["cell"], "series": reference["series"],
-                                                 "global_batch": smallest, f"test_{metric.name}": ref_test},
-            "batches": []}
+    ref_test = scored_mean(reference, "test")
+    gaps: dict[str, Any] = {
+        "metric": metric.name,
+        "reference": {"cell": reference["cell"], "series": reference["series"], "global_batch": smallest,
+                      f"test_{metric.name}": ref_test},
+        "batches": []}
     for batch in sorted({c["global_batch"] for c in scored if c["global_batch"] > smallest}):
         here = [c for c in scored if c["global_batch"] == batch]
         best = max(here, key=on_val)
         ratio = batch / smallest
         row = {"global_batch": batch, "ratio": ratio, "best_series": best["series"],
-               "best_gap": metric.gap(tuned_mean(best, "test"), ref_test),
-               "per_series": {c["series"]: metric.gap(tuned_mean(c, "test"), ref_test) for c in here}}
+               "best_gap": metric.gap(scored_mean(best, "test"), ref_test),
+               "per_series": {c["series"]: metric.gap(scored_mean(c, "test"), ref_test) for c in here}}
         gaps["batches"].append(row)
         gaps[f"best_gap_{ratio:g}x"] = row["best_gap"]
     return gaps
@@ -155,7 +165,7 @@ def steps_to_target(cells: list[dict], metric: Metric, target: float | None, ref
     searched = [c for c in cells if any(study.get("curves") for study in c.get("studies") or [])]
     if target is None and reference is not None:
         base = next(c for c in cells if c["cell"] == reference["cell"])
-        target, source = metric.worse_by(tuned_mean(base, "val"), metric.target_margin), \
+        target, source = metric.worse_by(scored_mean(base, "val"), metric.target_margin), \
             f"the tuned val mean of {reference['series']} at {reference['global_batch']:,}, less " \
             f"{metric.units(metric.target_margin)}"
     else:
@@ -271,7 +281,8 @@ def protocol_lines(summary: dict, metric: Metric) -> list[str]:
     pruning = ("no pruning" if s["pruner"] == "none" else
                f"{s['pruner']} pruning past {100 * s['prune_after']:g}% of a trial's samples, once "
                f"{s['prune_startup_trials']} trials of the cell finished")
-    seeds = next((c[kind]["seeds"] for c in cells for kind in ("tuned", "default") if c.get(kind, {}).get("seeds")), [])
+    seeds: list[int] = next((c[kind]["seeds"] for c in cells for kind in ("tuned", "default")
+                             if c.get(kind, {}).get("seeds")), [])
     untuned = any(c["default"]["seeds"] for c in cells)
     selected = (f"each an `lbt train` run ended at the first evaluation that reached val {metric.label} "
                 f"{metric.show(s['target'])}{metric.suffix} (tune.stop_at_target; a trial that missed ran in full), "
@@ -403,7 +414,7 @@ def cell_row(c: dict, metric: Metric = ACC) -> str:
     t, best, tuned, default = c["trials"], c["best"], c.get("tuned"), c["default"]
 
     def finals(runs: dict | None, split: str) -> str:
-        text = mean_and_std(runs and runs[f"{split}_mean_std"])
+        text = mean_and_std(runs[f"{split}_mean_std"] if runs else None)
         return text + (f" ({runs['diverged']} diverged)" if runs and runs["diverged"] and split == "val" else "")
 
     gain = None

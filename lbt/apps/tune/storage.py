@@ -64,6 +64,11 @@ class TuneStorage:
     def journal(self) -> bool:
         return not isinstance(self.optuna, optuna.storages.RDBStorage)
 
+    def trial_id(self, study_name: str, number: int) -> int:
+        """The storage's id of a study's trial `number` (Optuna's heartbeat and state calls take the id)."""
+        study_id = self.optuna.get_study_id_from_name(study_name)
+        return int(self.optuna.get_trial_id_from_study_id_trial_number(study_id, number))
+
 
 def storage_name(setting: str | None) -> str:
     """tune.storage, or $LBT_TUNE_STORAGE when it is unset, or sqlite."""
@@ -132,7 +137,7 @@ def _open(name: str, shown: str, folder: Path, heartbeat: int) -> TuneStorage:
 
 
 def check_journal(path: Path) -> None:
-    """Every line of the journal is one JSON record, or one line names the first that is not: Optuna raised a
+    """Every line of the journal is one JSON record, or one line names the first that is not: Optuna raises a
     JSONDecodeError traceback at the first read past it. A last line with no newline is a write torn when
     its worker died (Optuna skips it, then fails once a record follows it), unless a live worker is writing
     it: it is looked at again a second later."""
@@ -163,10 +168,9 @@ def _postgres_driver(url: str) -> str:
 
 
 def _journal_backend(path: Path) -> Any:
-    journal = optuna.storages.journal
-    if hasattr(journal, "JournalFileBackend"):  # Optuna >= 4
-        return journal.JournalFileBackend(str(path))
-    return optuna.storages.JournalFileStorage(str(path))  # type: ignore[attr-defined]  # Optuna 3
+    from optuna.storages.journal import JournalFileBackend
+
+    return JournalFileBackend(str(path))
 
 
 def _password(name: str) -> str | None:
@@ -175,7 +179,8 @@ def _password(name: str) -> str | None:
     from sqlalchemy.engine import make_url
 
     try:
-        return make_url(name).password  # type: ignore[return-value]
+        password = make_url(name).password
+        return None if password is None else str(password)
     except Exception:
         return None
 
@@ -207,7 +212,7 @@ def cell_lock(folder: Path, cell: str) -> Iterator[bool]:
 
 def mark_mine(storage: TuneStorage, trial: optuna.Trial) -> None:
     """Right after a claim: the trial's first heartbeat, and who runs it."""
-    beat(storage, trial._trial_id)
+    beat(storage, storage.trial_id(trial.study.study_name, trial.number))
     trial.set_user_attr(WORKER, f"{socket.gethostname()} pid {os.getpid()}")
 
 
@@ -262,7 +267,8 @@ def fail_stale(storage: TuneStorage, study: optuna.Study) -> list[int]:
             stale.append(trial)
     for trial in stale:
         with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError, RuntimeError):
-            storage.optuna.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
+            storage.optuna.set_trial_state_values(storage.trial_id(study.study_name, trial.number),
+                                                  state=TrialState.FAIL)
     after = {t.number: t.state for t in study.get_trials(deepcopy=False)}
     return [t.number for t in running if after.get(t.number) == TrialState.FAIL]
 

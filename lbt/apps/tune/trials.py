@@ -8,9 +8,10 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy
 import optuna
@@ -69,11 +70,13 @@ def open_study(storage: Any, grid: TuneGrid, cell: Cell, search: int = 0) -> opt
     """The Optuna study of the cell's `search`-th independent search (created, or loaded to continue); refused
     if it was tuned under other settings."""
     s = grid.settings
-    pruners = {"median": lambda: optuna.pruners.MedianPruner(n_startup_trials=0),  # PruneOnVal waits instead
-               "halving": optuna.pruners.SuccessiveHalvingPruner,
-               "hyperband": optuna.pruners.HyperbandPruner,
-               "none": optuna.pruners.NopPruner}
-    direction = "minimize" if s.objective == "steps_to_target" else s.metric.direction  # steps: fewer is better
+    pruners: dict[str, Callable[[], optuna.pruners.BasePruner]] = {
+        "median": lambda: optuna.pruners.MedianPruner(n_startup_trials=0),  # PruneOnVal waits instead
+        "halving": optuna.pruners.SuccessiveHalvingPruner,
+        "hyperband": optuna.pruners.HyperbandPruner,
+        "none": optuna.pruners.NopPruner}
+    # steps to target: fewer is better
+    direction: Literal["minimize", "maximize"] = "minimize" if s.objective == "steps_to_target" else s.metric.direction
     study = optuna.create_study(storage=storage, study_name=cell.study_name(search), direction=direction,
                                 pruner=pruners[s.pruner](), load_if_exists=True)
     if study.direction.name.lower() != direction:  # a loaded study keeps the direction it was created with
@@ -92,8 +95,8 @@ def open_study(storage: Any, grid: TuneGrid, cell: Cell, search: int = 0) -> opt
     return study
 
 
-# The identity keys added after the first tunes, with the value a folder tuned before them was tuned under: absent
-# from a study's attributes means this value, so an old folder continues under the defaults and only under them.
+# Identity keys a study's attributes may lack (lbt stored them only from some version on), each with the value such
+# a study was tuned under: absent means this value, so its folder continues under the defaults and only under them.
 LATER_IDENTITY: dict[str, Any] = {"sampler": "tpe", "objective": "final", "target": None, "stop_at_target": False}
 
 
@@ -165,8 +168,8 @@ def claim_trial(grid: TuneGrid, cell: Cell, study: optuna.Study, storage: TuneSt
 
 def free_slot(held: list[optuna.trial.FrozenTrial], slots: int) -> int | None:
     """The lowest slot no held trial holds (each records its own; one without, from an older lbt, holds the
-    lowest free one in trial order), or None when all are held. Counting the held trials instead gave a dead
-    trial's retry the next trial's slot, so one point ran twice and another never."""
+    lowest free one in trial order), or None when all are held. Counting the held trials instead would give a
+    dead trial's retry the next trial's slot, so one point would run twice and another never."""
     taken: set[int] = {t.user_attrs[SLOT] for t in held if isinstance(t.user_attrs.get(SLOT), int)}
     for _ in (t for t in sorted(held, key=lambda t: t.number) if not isinstance(t.user_attrs.get(SLOT), int)):
         taken.add(min(k for k in range(len(held) + 1) if k not in taken))
@@ -206,7 +209,7 @@ def run_trial(study: optuna.Study, grid: TuneGrid, cell: Cell, claim: Claim, sto
     head = f"[{cell.name}] trial {trial.number} ({claim.slot + 1}/{grid.settings.trials}{search})"
     run_dir = grid.settings.dir / "trials" / cell.trials_folder(claim.search) / str(trial.number)
     try:
-        with heartbeat(storage, trial._trial_id):
+        with heartbeat(storage, storage.trial_id(trial.study.study_name, trial.number)):
             result = train_run(grid, cell, overrides, run_dir, {"params": params}, [pruning])
     except optuna.TrialPruned as error:
         tell(study, trial, state=TrialState.PRUNED)
