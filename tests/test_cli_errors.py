@@ -102,7 +102,7 @@ def test_run_folder_that_cannot_be_created(tmp_path, capfd, monkeypatch):
 @pytest.mark.parametrize("folder, says", [("/dev/null", "File exists"), ("/dev/null/study", "Not a directory"),
                                            ("/proc/self/study", "No such file or directory")])
 def test_a_study_folder_that_cannot_be_made_is_one_line(folder, says, tmp_path, capfd, monkeypatch):
-    """`lbt study hydra.sweep.dir=/dev/null` (or under /proc) ended in a traceback from the folder's lock."""
+    """`lbt study hydra.sweep.dir=/dev/null` (or under /proc) is one line, not a traceback from the folder's lock."""
     monkeypatch.chdir(tmp_path)
     code, err = run_main(["study", *FAST, "model=mlp", "dist.world_size=1,2", f"hydra.sweep.dir={folder}"], capfd)
     lines = [line for line in err.splitlines() if line.strip() and not line.startswith("lbt: note:")]
@@ -251,8 +251,8 @@ def test_more_nccl_processes_than_gpus_is_one_line(tmp_path, capfd, monkeypatch)
 @pytest.mark.slow
 @pytest.mark.parametrize("command", [["report", "no_such_folder"], ["plan", "--model", "mlp", "--step-ms", "5"]])
 def test_ctrl_c_in_a_command_without_runs_is_one_line_and_130(tmp_path, command):
-    """Ctrl-C while report or plan imports or works was a KeyboardInterrupt traceback (once a half-imported
-    numpy's AttributeError). The process is frozen (SIGSTOP) while it is sent SIGINT, so the signal lands
+    """Ctrl-C while report or plan imports or works is one line and 130, not a KeyboardInterrupt traceback (nor a
+    half-imported numpy's AttributeError). The process is frozen (SIGSTOP) while it is sent SIGINT, so the signal lands
     at that moment: 0 to 0.4 s after the stop handler is installed (while torch imports, here)."""
     args = [sys.executable, "-X", "importtime", "-m", "lbt", *command]
     for delay in (0.0, 0.1, 0.4):
@@ -272,3 +272,34 @@ def test_ctrl_c_in_a_command_without_runs_is_one_line_and_130(tmp_path, command)
         err = "\n".join(line for line in err.splitlines() if not line.startswith("import time:"))
         assert job.returncode == 130, (delay, job.returncode, err)
         assert err.strip() == "lbt: stopped (SIGINT); rerun the same command to continue", (delay, err)
+
+
+def test_a_torch_below_the_floor_is_refused_in_one_line(monkeypatch, capsys):
+    """`lbt train` under torch 2.5 (fully_shard not yet public) says which torch it needs and exits 2."""
+    from importlib import metadata
+
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: "2.5.1" if name == "torch" else real(name))
+    code, err = run_main(["train", "--cfg", "job"], capsys)
+    assert code == 2 and err.strip() == ("lbt: error: lbt needs torch>=2.6 (fully_shard and DTensor), this is "
+                                         "torch 2.5.1: pip install 'torch>=2.6'")
+
+
+def test_the_torch_floor_is_pyprojects_and_the_installed_torch_has_what_it_stands_for():
+    """pyproject.toml's `torch>=X.Y` is lbt's TORCH_FLOOR, and the APIs that set it import here: a floor
+    below them would install a torch lbt cannot run on."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    from torch.distributed.fsdp import fully_shard  # noqa: F401
+    from torch.distributed.tensor import DTensor  # noqa: F401
+
+    from lbt.apps.cli import TORCH_FLOOR, torch_problem
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    torch_pin = next(d for d in pyproject["project"]["dependencies"] if d.startswith("torch>"))
+    assert re.fullmatch(r"torch>=(\d+)\.(\d+)", torch_pin), torch_pin  # a floor and no ceiling
+    assert tuple(map(int, torch_pin.removeprefix("torch>=").split("."))) == TORCH_FLOOR
+    assert torch_problem("2.6.0") is None and torch_problem("2.14.1+cu128") is None
+    assert torch_problem("2.5.1") is not None and torch_problem("1.13.0") is not None

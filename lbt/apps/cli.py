@@ -6,8 +6,9 @@ Each command is its own module of lbt/apps; this one only dispatches. A mistake 
 
 from __future__ import annotations
 
+import re
 import sys
-from importlib import import_module
+from importlib import import_module, metadata
 
 from lbt.apps.errors import end_on, exit_when_stopped, fail
 from lbt.errors import place_problem
@@ -23,6 +24,21 @@ COMMANDS = {
     "tokens": ("lbt.apps.tokens", "tokens_command"),
     "plan": ("lbt.apps.plan.cli", "plan_main"),
 }
+
+
+# The oldest torch lbt runs on, as pyproject.toml says: fully_shard (torch.distributed.fsdp) and DTensor
+# (torch.distributed.tensor) are public from 2.6. tests/test_cli.py checks the two agree and that the
+# installed torch has what the floor stands for.
+TORCH_FLOOR = (2, 6)
+
+
+def torch_problem(version: str) -> str | None:
+    """Why this torch cannot run lbt, or None."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None or (int(found[1]), int(found[2])) >= TORCH_FLOOR:
+        return None
+    floor = ".".join(map(str, TORCH_FLOOR))
+    return f"lbt needs torch>={floor} (fully_shard and DTensor), this is torch {version}: pip install 'torch>={floor}'"
 
 
 USAGE = """usage: lbt COMMAND [args]
@@ -58,6 +74,9 @@ def main(argv: list[str] | None = None) -> None:
         print(USAGE, file=sys.stderr)
         fail(f"unknown command {command!r}")
     module, function = COMMANDS[command]
+    problem = torch_problem(metadata.version("torch"))
+    if problem is not None:
+        fail(problem)
     try:
         code = getattr(import_module(module), function)(args)  # `lbt plan` returns its exit code, the others None
     except (OSError, RuntimeError) as error:  # PIL, torch.save and open() each report a full disk their own way
