@@ -146,7 +146,7 @@ def test_a_data_file_must_be_a_regular_file_that_fits(tmp_path):
 
 
 def test_a_seed_past_64_bits_is_one_line(capfd):
-    """`trainer.seed=99999999999999999999999` ended in torch's "Overflow when unpacking long long"."""
+    """`trainer.seed=99999999999999999999999` is one line, not torch's "Overflow when unpacking long long"."""
     from test_cli_errors import run_main
 
     code, err = run_main(["train", "trainer.seed=99999999999999999999999", "data=synthetic", "--cfg", "job"], capfd)

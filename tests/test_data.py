@@ -388,7 +388,7 @@ def test_loader_workers_start_inside_a_joblib_worker():
 
 
 def test_a_dataset_larger_than_memory_is_refused_before_generating(tmp_path, capfd):
-    """`lbt train model=mlp data.num_samples=100000000000` had no bound: it generated in memory for ~10 minutes."""
+    """`lbt train model=mlp data.num_samples=100000000000` is refused, not generated in memory for ~10 minutes."""
     from test_cli_errors import run_main
 
     code, err = run_main(["train", "model=mlp", "data.num_samples=100000000000", f"data.data_dir={tmp_path}",
@@ -400,8 +400,8 @@ def test_a_dataset_larger_than_memory_is_refused_before_generating(tmp_path, cap
 
 
 def test_a_stop_while_generating_data_ends_at_once_and_publishes_nothing(tmp_path, capfd, monkeypatch):
-    """SIGTERM during MNIST-1D's generation was noted for the run's first step, which came only once the
-    generator was done (still alive 15 s after `kill -TERM`). The generator here takes a minute, unless stopped."""
+    """SIGTERM during MNIST-1D's generation ends the run at once, publishing nothing: it does not wait for the
+    run's first step, after the generator is done. The generator here takes a minute, unless stopped."""
     import os
     import signal
 

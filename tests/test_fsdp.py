@@ -99,7 +99,7 @@ def runs(tmp_path_factory):
           for name, run in one_epoch.items() for layout, shard in (("fsdp", "fsdp"), ("ddp", "none"))],
         (root / "resumed2", FAST + lamb2 + ["dist.procs=2", "trainer.resume=auto"]),
     ])
-    # On one process, dist.shard=fsdp shards nothing: it printed "resharded onto 1", then refused the checkpoint.
+    # On one process, dist.shard=fsdp shards nothing: the sharded checkpoint loads whole there, not refused.
     train(root / "resumed1", lamb2 + ["dist.procs=1", "trainer.resume=auto"])
     for name, run in one_epoch.items():
         train(root / f"sim_{name}", run + ["dist.procs=1"])

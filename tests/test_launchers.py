@@ -201,8 +201,8 @@ print("returned", int(launch_local(_wait_for_a_stop, ({folder!r},), 2)))
 
 @pytest.mark.slow
 def test_a_ctrl_c_during_a_processs_first_launch_does_not_kill_its_workers(tmp_path):
-    """A process's first spawn starts multiprocessing's resource tracker, which unblocked SIGINT and SIGTERM in
-    the launcher, so its workers started without the block and died of a Ctrl-C while they imported torch."""
+    """A process's first spawn starts multiprocessing's resource tracker, which unblocks SIGINT and SIGTERM in
+    the launcher: unless it starts first, the workers start without the block and die of a Ctrl-C in torch's import."""
     code = FIRST_LAUNCH.format(tests=str(Path(__file__).parent), folder=str(tmp_path))
     job = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "LBT_ALLOW_OVERSUBSCRIBE": "1"})

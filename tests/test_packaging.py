@@ -18,8 +18,8 @@ def test_installed_wheel_finds_its_configs(tmp_path):
          str(REPO)],
         check=True, capture_output=True, text=True,
     )
-    # `make setup` printed about 1,090 lines of setuptools warnings: a deprecated license table, and every
-    # conf/ folder "absent from the `packages` configuration".
+    # No setuptools warning: a license table (deprecated), or a conf/ folder "absent from the `packages`
+    # configuration", each adds lines to `make setup` (about 1,090 in all when both were there).
     assert "Warning" not in built.stdout + built.stderr.replace("WARNING: Location", ""), built.stderr[-2000:]
     assert (target / "lbt" / "conf" / "config.yaml").is_file()
     assert (target / "lbt" / "conf" / "recipe" / "baseline.yaml").is_file()
@@ -54,6 +54,6 @@ def test_each_checkout_has_its_own_venv():
 
 
 def test_token_folders_the_docs_write_are_ignored_by_git():
-    """`lbt tokens input.txt data/bytes` (docs/language-models.md) wrote into a data/ git did not ignore."""
+    """`lbt tokens input.txt data/bytes` (docs/language-models.md) writes into data/, which git must ignore."""
     assert "data/bytes" in (REPO / "docs" / "language-models.md").read_text()
     assert "/data/" in (REPO / ".gitignore").read_text().splitlines()

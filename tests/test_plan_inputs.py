@@ -297,8 +297,8 @@ def test_from_study_without_an_answer_is_one_line(tmp_path, capsys):
 
 
 def test_numbers_out_of_range_are_one_line(tmp_path, capsys):
-    """`--step-ms 1e308` was an OverflowError, a per-worker batch of 10^20 reached torch as C++ frames, and
-    `--critical-batch -1` was accepted."""
+    """`--step-ms 1e308` (unchecked, an OverflowError), a per-worker batch of 10^20 (C++ frames from torch) and
+    `--critical-batch -1` (unchecked, accepted) are each one line."""
     png = f"--out={tmp_path / 'r.png'}"
     for args, says in ((["--step-ms", "1e308"], "--step-ms must be a positive time in ms up to 10,000,000"),
                        (["--step-ms", "inf"], "--step-ms must be a positive time"),
@@ -310,8 +310,8 @@ def test_numbers_out_of_range_are_one_line(tmp_path, capsys):
 
 
 def test_a_plan_from_a_cpu_run_warns_and_counts_its_own_optimizers_state(tmp_path, capsys):
-    """`lbt plan --from-result` of a CPU run gave no CPU warning (it recommended W=512, the CPU's timing jitter
-    posing as straggler loss) and counted "adamw's 2 state tensors" for an SGD run."""
+    """`lbt plan --from-result` of a CPU run warns that its step times are a CPU's (unwarned, it would recommend
+    W=512, the CPU's timing jitter posing as straggler loss), and counts the SGD run's own state, not AdamW's."""
     from conftest import train
 
     train(tmp_path / "run", ["model=mlp", "trainer.epochs=1"])

@@ -173,8 +173,8 @@ def test_a_snapshot_damaged_or_cut_off_is_refused_by_its_checksum(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_probe_stopped_among_its_branches_exits_with_the_signals_code(tmp_path, sig, capfd, monkeypatch):
-    """Told to stop once its branches started: the signal's code and the command that continues it (before,
-    a SIGTERM there was a config mistake, exit 2); the same command then finishes the probe."""
+    """Told to stop once its branches started: the signal's code (not a config mistake's exit 2) and the command
+    that continues it; the same command then finishes the probe."""
     args = ["probe", *SHORT_PROBE, f"probe.dir={tmp_path / 'probe'}"]
     code, _, err = signal_after_line(args, tmp_path, r"^probe: \d+ branch\(es\) at 2x", sig)
     assert code == 128 + sig and "Traceback" not in err, (code, err)
@@ -310,8 +310,8 @@ def claim_probe(args: list[str]) -> None:
 
 
 def test_a_second_probe_on_a_folder_in_use_is_one_line_naming_the_first(tmp_path, capfd, monkeypatch):
-    """Two probes on one probe.dir: the second deleted the first's running branch folder, and the first
-    crashed with tracebacks. The folder's lock is held for the probe's whole life."""
+    """Two probes on one probe.dir: the second is one line naming the first, and never deletes the first's running
+    branch folder under it. The folder's lock is held for the probe's whole life."""
     from lbt.paths import folder_lock
 
     monkeypatch.chdir(tmp_path)
@@ -325,7 +325,7 @@ def test_a_second_probe_on_a_folder_in_use_is_one_line_naming_the_first(tmp_path
 
 
 def test_a_rerun_that_adds_a_setting_is_refused_naming_it(tmp_path, capfd, monkeypatch):
-    """A rerun that added `probe.tolerance=1` ended in a TypeError (None against 1.0): one line naming it."""
+    """A rerun that adds `probe.tolerance=1` is one line naming it, not a TypeError (None against 1.0)."""
     monkeypatch.chdir(tmp_path)
     args = [*PROBE, f"probe.dir={tmp_path / 'probe'}"]
     claim_probe(args)
@@ -335,8 +335,8 @@ def test_a_rerun_that_adds_a_setting_is_refused_naming_it(tmp_path, capfd, monke
 
 
 def test_a_probe_is_its_composed_config_less_what_cannot_change_a_result(tmp_path, capfd, monkeypatch):
-    """Reordered overrides, an added trainer.threads=1 or hydra/launcher=local_parallel were refused as "holds
-    another probe (it differs in the overrides)", naming no key. They continue the probe; a key that changes the
+    """Reordered overrides, an added trainer.threads=1 or hydra/launcher=local_parallel cannot change a result:
+    they continue the probe (no "holds another probe (it differs in the overrides)"). A key that changes the
     result is refused by name, with both values."""
     monkeypatch.chdir(tmp_path)
     folder = tmp_path / "probe"
@@ -354,7 +354,7 @@ def test_a_probe_is_its_composed_config_less_what_cannot_change_a_result(tmp_pat
 
 @pytest.mark.parametrize("folder", ["/dev/null", "/dev/null/probe", "/proc/self/probe"])
 def test_a_probe_folder_that_cannot_be_made_is_one_line(folder, capfd, monkeypatch, tmp_path):
-    """probe.dir=/dev/null or /proc/self/x ended in a FileExistsError or FileNotFoundError traceback."""
+    """probe.dir=/dev/null or /proc/self/x is one line, not a FileExistsError or FileNotFoundError traceback."""
     monkeypatch.chdir(tmp_path)
     code, err = run_main(["probe", *PROBE, f"probe.dir={folder}"], capfd)
     lines = err.strip().splitlines()
@@ -363,8 +363,8 @@ def test_a_probe_folder_that_cannot_be_made_is_one_line(folder, capfd, monkeypat
 
 @pytest.mark.slow
 def test_a_damaged_base_result_says_to_delete_it(tmp_path, capfd, monkeypatch):
-    """A base result.json cut short (a full disk) was refused with "start this one in another folder", which
-    does not fit a probe: deleting the file lets the same command resume the base run from its checkpoint."""
+    """A base result.json cut short (a full disk) is refused with what fits a probe, not "start this one in another
+    folder": deleting the file lets the same command resume the base run from its checkpoint."""
     monkeypatch.chdir(tmp_path)
     args = [*PROBE, f"probe.dir={tmp_path / 'probe'}"]
     claim_probe(args)
@@ -378,8 +378,8 @@ def test_a_damaged_base_result_says_to_delete_it(tmp_path, capfd, monkeypatch):
 
 @pytest.mark.slow
 def test_a_probe_takes_your_own_configs_with_config_dir(tmp_path, capfd, monkeypatch):
-    """`lbt probe --config-dir DIR` was refused ("takes overrides and probe.KEY=VALUE settings, not
-    --config-dir"), though docs/own-model.md teaches `--config-dir` for the runs a probe makes."""
+    """`lbt probe --config-dir DIR` builds the base run and every branch from DIR's configs, as docs/own-model.md
+    teaches `--config-dir` for the runs a probe makes."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mine" / "model").mkdir(parents=True)
     (tmp_path / "mine" / "model" / "narrow.yaml").write_text("_target_: lbt.models.MLP\nhidden: 24\nnum_layers: 2\n")
@@ -395,7 +395,7 @@ def test_a_probe_takes_your_own_configs_with_config_dir(tmp_path, capfd, monkeyp
 
 
 def test_a_continued_probe_estimates_what_is_left(tmp_path):
-    """On continue, the probe printed the same total time, with nothing subtracted for finished runs."""
+    """On continue, the probe's estimate is of what is left: its finished runs are subtracted from the total."""
     from lbt.apps.probe.command import done_samples, plan_probe
     from lbt.apps.probe.settings import split_args
     from lbt.spec.result import RunResult, write_result

@@ -136,7 +136,7 @@ def test_lbt_report_on_a_damaged_result_names_it_and_goes_on(tmp_path, capsys):
 
 @pytest.mark.parametrize("runs", [[(1, 0), (1, 1)], [(1, 0)]])
 def test_one_batch_measured_gives_no_answer(tmp_path, runs):
-    """Two seeds, or the issue's one run at val_acc 0.10 that was answered "up to 16 GPUs"."""
+    """Two seeds, or one run at val_acc 0.10: one batch measured is no answer (not "up to 16 GPUs")."""
     for n, (world_size, seed) in enumerate(runs):
         _job(tmp_path / str(n), "baseline", world_size, seed, [0.08, 0.10], b_simple=10.0, test=0.10)
     summary = write_report(tmp_path)
@@ -159,7 +159,7 @@ def test_a_base_batch_at_chance_gives_no_answer(tmp_path):
 
 
 def test_an_undertrained_base_batch_is_warned_above_the_answer(tmp_path):
-    """The issue's 1-epoch study at 53%: still rising steeply at its end, below halfway from chance to 100%."""
+    """A 1-epoch study at 53%: still rising steeply at its end, below halfway from chance to 100%."""
     rising = {key: [0.30, 0.53] for key in ACCS}
     study(tmp_path, accs=rising)
     for n in range(4):
@@ -200,7 +200,7 @@ def test_the_rising_rule_for_a_loss():
 
 
 def test_accuracy_reads_in_percent_everywhere(tmp_path):
-    """The issue saw `0.9850 ± 0.0056` beside `98.50 ± 0.56`: every accuracy of report.md is in percent."""
+    """Every accuracy of report.md is in percent: never `0.9850 ± 0.0056` beside `98.50 ± 0.56`."""
     for n, (world_size, seed, acc) in enumerate([(1, 0, 0.985), (1, 1, 0.9794), (4, 0, 0.981), (4, 1, 0.975)]):
         _job(tmp_path / str(n), "baseline", world_size, seed, [0.9, acc], b_simple=10.0, test=acc)
     write_report(tmp_path)
@@ -289,7 +289,7 @@ def test_the_accuracy_plot_zooms_to_the_tolerance_band_and_names_its_splits(tmp_
     assert bottom > 50.0  # the 50% run sits at the bottom edge, marked, its value written beside it
     assert any(text.get_text() == "50.00" for text in zoomed.texts)
     assert "val" in zoomed.get_ylabel() and "test" in full.get_ylabel()
-    assert "val" in figures["accuracy_vs_gpus.png"].axes[0].get_ylabel()  # the issue: it did not say val or test
+    assert "val" in figures["accuracy_vs_gpus.png"].axes[0].get_ylabel()  # it says which split it plots
     assert "val" in figures["steps_to_target.png"].axes[0].get_ylabel()
     plt_close(figures)
 
@@ -321,9 +321,9 @@ def test_two_jobs_of_one_cell_keep_apart_in_tensorboard():
 
 
 def test_a_full_disk_while_reporting_leaves_the_old_report_whole(tmp_path, capfd):
-    """`(ulimit -f 4; lbt report DIR)` cut the old complete report mid-table: report.md was written in place.
+    """`(ulimit -f 4; lbt report DIR)` over a complete report: written in place, report.md would be cut mid-table.
     Every file the report writes goes through the atomic writer: a failed write leaves the old one. The
-    command ended in a traceback (OSError from PIL or the writer); it ends with one line naming the file."""
+    command ends with one line naming the file, not a traceback (an OSError from PIL or the writer)."""
     import json
     import resource
     import signal
@@ -361,9 +361,9 @@ def test_a_full_disk_while_reporting_leaves_the_old_report_whole(tmp_path, capfd
     ("world_size", [1], "world_size is [1], not a positive whole number"),
 ])
 def test_a_result_with_a_bad_field_is_a_failed_job_and_the_answer_is_withheld(tmp_path, key, value, says):
-    """`final_val_acc: NaN` gave "Answer: up to 4 GPUs" from another recipe's base, `global_batch: -64` a critical
-    batch of -64, and wrong types tracebacks (1e308 wrote "inf%" first). The one result reader checks every
-    field's type and range: such a job has failed, is named, and no answer comes from the study."""
+    """Unchecked, `final_val_acc: NaN` would give "Answer: up to 4 GPUs" from another recipe's base, `global_batch:
+    -64` a critical batch of -64, and wrong types tracebacks (1e308 writing "inf%" first). The one result reader checks
+    every field's type and range: such a job has failed, is named, and no answer comes from the study."""
     import json
 
     from test_study import _job

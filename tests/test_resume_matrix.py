@@ -176,7 +176,7 @@ def test_stopped_by_sigterm_mid_epoch_then_resumed_equals_straight_run(case, tmp
 def test_a_stop_at_an_epochs_end_after_its_checkpoint_stops_cleanly_and_resumes_exactly(real_phases):
     """Two processes, a checkpoint every epoch, a stop read at the epoch's last step: the epoch's checkpoint
     and the stop's are written one after the other at the same step. Rank 1 must not write the second
-    while rank 0 still publishes the first and clears unfinished folders (it lost its file: ENOENT)."""
+    while rank 0 still publishes the first and clears unfinished folders (else it loses its file: ENOENT)."""
     folder = real_phases / "epoch_end"
     stopped_log = (folder / "stopped.log").read_text()
     assert (folder / "stopped_result").read_text() == "False"

@@ -213,8 +213,8 @@ TINY_SWEEP = [*FAST, "model=mlp", "trainer.epochs=1", "trainer.per_worker_batch=
 
 
 def test_a_sweep_whose_disk_is_full_ends_with_one_line_naming_the_file(tmp_path, capfd, monkeypatch):
-    """A full disk during a study's jobs ended in an `OSError: [Errno 28]` traceback (the failed job's own
-    result.json could not be written either). One line names the file; the same command continues later."""
+    """A full disk during a study's jobs (the failed job's own result.json cannot be written either) is one line
+    naming the file, not an `OSError: [Errno 28]` traceback; the same command continues later."""
     import errno
     import tempfile
 
@@ -235,7 +235,7 @@ def test_a_sweep_whose_disk_is_full_ends_with_one_line_naming_the_file(tmp_path,
 
 
 def test_hydras_own_write_to_a_full_disk_is_one_line_naming_the_sweep(tmp_path, capfd, monkeypatch):
-    """Hydra's sweeper writing multirun.yaml to a full disk printed its traceback and exited 1."""
+    """Hydra's sweeper writing multirun.yaml to a full disk is lbt's one line, not Hydra's traceback and exit 1."""
     import errno
 
     from omegaconf import OmegaConf
@@ -252,8 +252,8 @@ def test_hydras_own_write_to_a_full_disk_is_one_line_naming_the_sweep(tmp_path, 
 
 
 def test_cpu_out_of_memory_is_one_line(tmp_path, capfd):
-    """The CPU allocator's failure is a plain RuntimeError, and only CUDA's OutOfMemoryError and MemoryError
-    were caught: a traceback. 160 TB of weights exceeds any address space, overcommit or not."""
+    """The CPU allocator's failure is a plain RuntimeError, neither CUDA's OutOfMemoryError nor a MemoryError, and
+    it is one line too. 160 TB of weights exceeds any address space, overcommit or not."""
     code, _, err = run_main_io(["train", *FAST, "model=mlp", "model.hidden=1000000000000", "trainer.epochs=1",
                                 f"hydra.run.dir={tmp_path / 'run'}"], capfd)
     lines = err.strip().splitlines()

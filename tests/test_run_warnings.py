@@ -64,8 +64,8 @@ def test_train_log_holds_the_epoch_lines_and_the_closing_line(tmp_path, procs, c
 
 
 def test_a_quiet_studys_jobs_keep_their_train_log(tmp_path):
-    """`lbt study` silences Hydra's logging (hydra/job_logging=disabled), whose dictConfig disabled every logger
-    already made, lbt's own among them: each job's train.log was empty (the basic launcher: jobs in this
+    """`lbt study` silences Hydra's logging (hydra/job_logging=disabled), whose dictConfig disables every logger
+    already made, lbt's own among them: each job's train.log still fills (the basic launcher: jobs in this
     process, as the joblib launcher's workers run them)."""
     from lbt.apps.cli import main
 

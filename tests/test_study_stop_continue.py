@@ -44,7 +44,7 @@ def test_a_folder_holds_one_study(tmp_path):
     other = StudyRecord(("recipe=lars",), (StudyJob("0", ("recipe=lars",)),))
     with pytest.raises(ConfigError, match="holds another study .*recipe=baseline.*recipe=lars"):
         claim(tmp_path / "s", other)
-    # Reordered overrides, trainer.threads=1 or another launcher were refused as another study: the same jobs.
+    # Reordered overrides, trainer.threads=1 or another launcher are the same jobs, not another study.
     two = StudyRecord(("recipe=baseline", "trainer.epochs=2"),
                       (StudyJob("0", ("recipe=baseline", "trainer.epochs=2")),))
     assert claim(tmp_path / "t", two) is False
@@ -127,7 +127,7 @@ def test_ctrl_c_stops_a_study_and_the_same_command_continues_it_exactly(tmp_path
     assert code == 0, err
     assert "continuing" in out and "Answer: up to" in out
     assert {name: (folder / name / "result.json").read_bytes() for name in finished} == finished
-    # One line per job this command ran, each counter once (every kept job printed the same `[k/4]`).
+    # One line per job this command ran, each counter once (a kept job prints no `[k/4]` of its own).
     counters = re.findall(r"^\[(\d)/4\]", out, re.M)
     assert len(counters) == 4 - len(finished) and len(set(counters)) == len(counters), out
 
@@ -195,8 +195,8 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.slow
 def test_the_workers_of_a_killed_study_end_with_it(tmp_path):
-    """`kill -9` of an `lbt study` under hydra/launcher=local_parallel left its 2 loky workers (which ignore
-    SIGTERM: the study tells its jobs to stop) and their resource tracker running, orphaned."""
+    """`kill -9` of an `lbt study` under hydra/launcher=local_parallel ends its 2 loky workers (which ignore
+    SIGTERM: the study tells its jobs to stop) and their resource tracker too: none is left orphaned."""
     study = subprocess.Popen(
         [sys.executable, "-m", "lbt", "study", "data=synthetic", "model=mlp", "trainer.device=cpu",
          "trainer.epochs=200", "data.num_train=4096", "recipe=baseline", "dist.world_size=1,2,4,8",
@@ -225,8 +225,8 @@ def test_the_workers_of_a_killed_study_end_with_it(tmp_path):
 
 
 def test_a_studys_estimate_counts_jobs_side_by_side_sharing_the_cores(monkeypatch):
-    """The study said "about 38 min", then "1.5 h left" at its first job: it divided by the 2 jobs at once,
-    though the job it timed had used both cores alone."""
+    """Two jobs at once on a CPU share its cores: a time measured on both cores alone is not divided by 2 (that
+    would say "about 38 min", then "1.5 h left" at the first job)."""
     from conftest import compose_config
 
     from lbt.apps.study import parallel_speedup

@@ -71,7 +71,7 @@ def test_train_lr_curve_is_lr_at(tmp_path, capsys):
 
 
 def test_goyal2017_reaches_the_peak_it_configures(tmp_path, capsys):
-    """The acceptance case: at world_size 16 the logged maximum of train/lr is optim.lr x 16, printed at start."""
+    """goyal2017 at world_size 16: the logged maximum of train/lr is optim.lr x 16, printed at start."""
     result = train(tmp_path, ["recipe=goyal2017", "model=mlp", "dist.world_size=16", "data.num_train=4096",
                               "trainer.epochs=7", "optim.lr=0.1", "schedule.warmup_epochs=5"])
     assert "lr: peak 1.6 at sample 20,480 (step 20)" in capsys.readouterr().out  # 5 epochs x 4 steps x 1,024

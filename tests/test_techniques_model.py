@@ -148,8 +148,8 @@ def test_ghost_batch_norm_is_batch_norm_per_chunk(shape, virtual_batch):
 
 
 def test_ghost_batch_norm_keeps_channels_last_and_equals_each_workers_batch_norm():
-    """trainer.channels_last: the fused pass's BN output stays channels_last (the fold used to return NCHW,
-    so each convolution after it met a layout change on the GPU), and equals, bit for bit, each worker's own
+    """trainer.channels_last: the fused pass's BN output stays channels_last (an NCHW output
+    would cost each convolution after it a layout change on the GPU), and equals, bit for bit, each worker's own
     BN on its channels_last chunk, as real workers compute it; the gradient matches too."""
     torch.manual_seed(0)
     x = (torch.randn(16, 6, 5, 3) * 3 + 1).contiguous(memory_format=torch.channels_last)

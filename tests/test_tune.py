@@ -37,7 +37,7 @@ def trials_in(folder: Path) -> dict[str, list[tuple[int, str]]]:
 
 @pytest.mark.slow
 def test_tune_a_tiny_grid_then_the_same_command_runs_nothing_new(tmp_path, capfd, monkeypatch):
-    """The acceptance case: 2 recipes x 2 batches x 3 trials, finals with 2 seeds; then the same command."""
+    """A tune end to end: 2 recipes x 2 batches x 3 trials, finals with 2 seeds; then the same command."""
     folder = tmp_path / "tune"
     args = ["tune", *TINY, "recipe=baseline,goyal2017", "dist.world_size=1,4", "tune.trials=3", "tune.seeds=2",
             f"tune.dir={folder}"]
@@ -142,9 +142,9 @@ def test_a_stopped_tune_exits_with_the_signals_code_and_the_same_command_continu
                                           pytest.param("record", "COMPLETE", marks=pytest.mark.slow)])
 def test_a_stop_between_the_tunes_last_look_and_the_next_is_not_lost(tmp_path, capsys, monkeypatch, where, state):
     """SIGTERM (its handler called as the signal would) in the gaps a tune's safe points leave: after
-    train_run's look, as the run starts (make_spec), the run stops before its first step (before, the run's
-    start forgot the stop and trained in full); after a run returned, before its trial is told (record), the
-    trial is counted and the tune stops before the next (before, raised from the handler, the stop left it
+    train_run's look, as the run starts (make_spec), the run stops before its first step (its start must
+    not forget the stop and train in full); after a run returned, before its trial is told (record), the trial
+    is counted and the tune stops before the next (a stop raised from the handler would leave the trial
     RUNNING)."""
     from lbt.apps.tune import trials
 
@@ -171,8 +171,8 @@ def test_a_stop_between_the_tunes_last_look_and_the_next_is_not_lost(tmp_path, c
 
 @pytest.mark.slow
 def test_a_second_stop_kills_the_helpers_that_do_not_stop(monkeypatch, capsys):
-    """A helper that ignores SIGTERM (hung): the tune says it waits, and a second Ctrl-C kills it (before, the
-    tune waited for it for ever, and Ctrl-C again did nothing)."""
+    """A helper that ignores SIGTERM (hung): the tune says it waits, and a second Ctrl-C kills it, so a hung
+    helper cannot keep the tune waiting for ever."""
     import subprocess
     import threading
     import time
@@ -436,7 +436,7 @@ def test_fair_runs_transformer1ds_longer_budget_with_the_first_budgets_target(mo
         assert {"trainer.epochs=30", "tune.seeds=0", "tune.target=0.955", "tune.objective=steps_to_target",
                 "tune.stop_at_target=true", f"tune.dir={tmp_path / 'long'}"} <= set(args)
     calls.clear()
-    fair.main(["--workload", "cnn1d", "--recipes", "baseline", "--dir", str(tmp_path)])  # no longer budget
+    fair.main(["--workload", "cnn1d", "--recipes", "baseline", "--dir", str(tmp_path)])  # cnn1d has no 30-epoch budget
     assert [log for _, log in calls] == [tmp_path / "tune.log"]
 
 

@@ -241,9 +241,9 @@ def test_open_storage_refuses_what_it_cannot_read(tmp_path):
 @pytest.mark.parametrize("name", ["sqlite", "journal"])
 @pytest.mark.parametrize("dead", [0, 1, 2])
 def test_a_dead_workers_trial_is_retried_at_its_own_slot_with_its_own_point(tmp_path, name, dead):
-    """Start a tune twice on one tune.dir and `kill -9` the worker of a running trial: the survivor reran it
-    with the next trial's point (lr 2.575, 2.575, 0.2485 instead of 0.2122, 2.575, 0.2485), because the free
-    slot was counted, not read. A retried trial draws exactly its own slot's point, whichever slot died."""
+    """Start a tune twice on one tune.dir and `kill -9` the worker of a running trial: the survivor reruns it
+    with its own slot's point, whichever slot died. A free slot counted, not read, would give it the next trial's
+    point (lr 2.575, 2.575, 0.2485 instead of 0.2122, 2.575, 0.2485)."""
     retried_at_its_own_slot(open_storage(name, tmp_path / "tune", 10), tmp_path, dead)
 
 
@@ -282,8 +282,8 @@ def retried_at_its_own_slot(store, tmp_path, dead: int, study_name: str | None =
     (lambda lines: [*lines[:-1], lines[-1][:-20]], "ends in a record cut short at line"),
 ])
 def test_a_damaged_journal_is_one_line_naming_its_line(tmp_path, damage, says):
-    """A garbage line, or a last line torn by a worker's death, in an Optuna journal gave a JSONDecodeError
-    traceback (the torn one at the first write after it). The SQLite storage already said so in one line."""
+    """A garbage line, or a last line torn by a worker's death, in an Optuna journal is one line naming it, as the
+    SQLite storage's damage is; Optuna alone raises a JSONDecodeError (for the torn one at the next write)."""
     opened = open_storage("journal", tmp_path, 2)
     study = optuna.create_study(storage=opened.optuna, study_name="cell")
     for _ in range(3):

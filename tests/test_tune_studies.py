@@ -235,7 +235,7 @@ IDENTITY_CHANGES = [  # (one tune's settings, another's that differs only in the
     ["sampler", "objective", "target", "stop_at_target"], IDENTITY_CHANGES)])
 def test_a_folder_continues_only_under_the_settings_it_was_tuned_with_either_way(key, changed, default):
     """Each optional identity key is compared both ways: a folder tuned with a non-default value is refused to a
-    command without it, and the other way round; a folder from before the key existed counts as its default."""
+    command without it, and the other way round; a folder whose study lacks the key counts as its default."""
     from lbt.apps.tune.grid import Settings, TuneGrid
     from lbt.apps.tune.trials import open_study
 
@@ -256,7 +256,7 @@ def test_a_folder_continues_only_under_the_settings_it_was_tuned_with_either_way
         with pytest.raises(ConfigError, match=rf"run with tune\.{key}=\S+ \(this command: tune\.{key}=\S+\)"):
             open_study(storage, grid[then], Cell())  # the one key that differs, with both values
 
-    # A folder from before the optional keys were always stored: only those that were not the default.
+    # A folder whose study stores only the optional keys that are not the default.
     from lbt.apps.tune.trials import LATER_IDENTITY, tune_identity
 
     old = optuna.storages.InMemoryStorage()
