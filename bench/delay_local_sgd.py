@@ -1,4 +1,4 @@
-"""Delayed gradients and local SGD against synchronous SGD (issue 15; bench/README.md, "Beyond lockstep SGD").
+"""Delayed gradients and local SGD against synchronous SGD (bench/results/2026-11-23-delay-local-sgd.md).
 
 accuracy: MNIST-1D (54,000 train, 6,000 val, 10,000 test), cnn1d, 10 epochs, recipe goyal2017 (linear LR
 scaling, 5 warmup epochs, cosine), per-worker batch 64 at world sizes 16 and 64 (16x and 64x the base batch
@@ -40,11 +40,11 @@ ACCURACY = ["data=mnist1d", "model=cnn1d", "recipe=goyal2017", "trainer.epochs=1
 WORLD_SIZES = {"16x": 16, "64x": 64}
 ARMS = {
     "sync": [],
-    **{f"d={d}": ["technique=[gradient_delay]", f"technique.gradient_delay.delay={d}"] for d in (1, 2, 4, 8)},
-    **{f"H={h}": ["technique=[local_sgd]", f"technique.local_sgd.period={h}"] for h in (1, 4, 16)},
+    **{f"d={d}": ["strategy=gradient_delay", f"strategy.delay={d}"] for d in (1, 2, 4, 8)},
+    **{f"H={h}": ["strategy=local_sgd", f"strategy.period={h}"] for h in (1, 4, 16)},
     # d=1 diverges at goyal2017's LR (peak 1.92 at 16x): the same arm with a quarter of the base LR
     # (peak 0.48), picked by hand, not by the fair tuner.
-    "d=1 lr 0.03": ["technique=[gradient_delay]", "technique.gradient_delay.delay=1", "optim.lr=0.03"],
+    "d=1 lr 0.03": ["strategy=gradient_delay", "strategy.delay=1", "optim.lr=0.03"],
 }
 # Every other arm's seed 0 in this order (what the tables need most first), then their further seeds.
 PRIORITY = ("H=4", "H=16", "d=1 lr 0.03", "H=1", "d=2", "d=8", "d=4")
@@ -54,7 +54,7 @@ TIMING = ["data=mnist1d", "model=mlp", "model.hidden=1024", "model.num_layers=3"
           "dist.world_size=2", "dist.procs=2", "trainer.threads=1", "trainer.progress=false", "trainer.device=cpu",
           "trainer.evals=0", "trainer.epochs=1", "trainer.checkpoint_every=0", "optim.lr=0.01"]
 # "alone": one worker in one process, the compute of a step without any allreduce (lbt plan's T_comp).
-TIMING_ARMS = {"sync": [], "d=1": ["technique=[gradient_delay]", "technique.gradient_delay.delay=1"],
+TIMING_ARMS = {"sync": [], "d=1": ["strategy=gradient_delay", "strategy.delay=1"],
                "alone": ["dist.world_size=1", "dist.procs=1"]}
 
 
@@ -108,7 +108,7 @@ def accuracy(out: Path, jobs: int) -> None:
 
 
 def table(out: Path) -> None:
-    """The markdown tables of bench/README.md from the finished runs."""
+    """The markdown tables of bench/results/2026-11-23-delay-local-sgd.md from the finished runs."""
     for batch in WORLD_SIZES:
         print(f"\n### {batch} the base batch (global batch {64 * WORLD_SIZES[batch]:,})\n")
         print("| arm | seeds | test acc (mean ± std) | vs sync (points) | val acc | allreduces | GB sent per worker |")

@@ -17,7 +17,7 @@ out, 10,000 test). Reported per recipe and batch:
     python bench/fair.py --workload transformer1d   # adamw_sqrt (the reference), muon, soap, schedulefree, wsd_adamw;
         # then 30 epochs at 256-4,096 into <dir>/long, each trial ended at the target (LONG, below)
     python bench/fair.py --recipes baseline,muon --world-sizes 16,64,128 --trials 3 --studies 2   # a smaller one
-    python bench/fair.py --tables   # runs nothing: bench/README's tables of what the folder holds so far
+    python bench/fair.py --tables   # runs nothing: the tables of what the folder holds so far
     python bench/fair.py --workload transformer1d --recipes adamw_sqrt --world-sizes 16,32,64 --epochs 30 \
         --target 0.955 --stop-at-target --dir runs/tune/fair_transformer1d_long   # a longer budget where 10
         # epochs miss the target; each trial ends where it reaches it (AlgoPerf's rule), which leaves its steps
@@ -33,11 +33,11 @@ schedules by autogroup (/proc/sys/kernel/sched_autogroup_enabled = 1: each sessi
 bench at nice 19 started with setsid still took half the cores from a test run): `echo 19 > /proc/<pid>/autogroup`
 with the pid of each `lbt tune` it starts (the tune runs in a session, so an autogroup, of its own).
 The default --dir is bench/results/fair_<workload>, its trials in a journal file (tune.storage=journal; a --dir
-whose trials are in optuna.db keeps SQLite): git keeps what continues the protocol in another checkout and what
-its report reads (bench/results/.gitignore), so a protocol longer than one machine's life goes on from the last
-commit. Commit the folder with the tune paused (`kill -STOP -- -<tune pid>`, then `kill -CONT`) or stopped: a
-journal line half written when committed would make the journal unreadable once more lines follow it.
-Then bench/README's tables (steps to target, fits, test points lost; one column per recipe), and the last
+whose trials are in optuna.db keeps SQLite). Git keeps what the tables read (each cell's summary, the report,
+the plots: bench/results/.gitignore); the journal and the final runs stay on the machine that ran them, so a
+protocol continues on that machine. Commit a folder once its protocol has finished.
+Then the tables of bench/results/2026-11-28-fair-cnn1d.md and 2026-11-29-fair-transformer1d.md (steps to
+target, fits, test points lost; one column per recipe), and the last
 lines: `critical_batch_<recipe>=<samples>` per recipe, then `best_gap_64x=<points> best_gap_128x=<points>`:
 test points the best recipe (chosen on val) loses against the tuned base batch (positive = below). Where the
 workload has a longer budget (LONG: transformer1d, 30 epochs), the same protocol then runs it at larger batches
@@ -71,7 +71,7 @@ WORKLOADS = {
 # A second, longer budget for the fits where the first leaves large batches short of the target: epochs and
 # world sizes, every recipe, trials ended at the target (the first budget's), into <dir>/long. transformer1d
 # under 10 epochs: AdamW's steps fall as 1/batch up to 512 and past it the target leaves the budget, so it has
-# no fitted critical batch (bench/README, "a longer budget where 10 epochs miss the target"). 256 is there for
+# no fitted critical batch (bench/results/2026-11-29-fair-transformer1d.md). 256 is there for
 # the third point a fit needs: in 30 epochs AdamW reaches the target at 512 and 1,024 and at no batch above.
 LONG = {"transformer1d": (30, [4, 8, 16, 32, 64])}
 # The base recipe's world sizes beside the others': the reference batch (64), and one more fitted point. Every
@@ -241,7 +241,7 @@ def progress(folder: Path, cells: int) -> str:
 
 
 def print_results(folder: Path, target: float | None, prefix: str = "") -> None:
-    """bench/README's tables (one column per recipe), then the last lines, for every finished cell."""
+    """The results files' tables (one column per recipe), then the last lines, for every finished cell."""
     summary = folder_summary(folder, target)
     if summary["steps_to_target"]["target"] is None:
         return say(f"bench/fair.py: {folder} has no target: no final run at its smallest batch sets one; give --target")

@@ -20,7 +20,7 @@ per-pass overhead; and a fused pass of a BatchNorm model copies every BN
 activation twice (ghost_batch_norm's fold, and again in the backward).
 A model without BatchNorm runs as one pass (nothing to copy), and so does every
 model on CUDA, where small passes leave the GPU idle between kernels.
-bench/README.md ("Cost of simulated workers") has the measurements behind the rule.
+bench/results/2026-11-23-simulation.md has the measurements behind the rule.
 
 Simulated workers share one module, so their BatchNorm running statistics are
 kept apart per pass and averaged per step (`BufferMean`).

@@ -310,7 +310,7 @@ def predict(checkpoints: Sequence[float], per_checkpoint: Sequence[CheckpointRat
 
 
 # How far from the sweep's answer the prediction has been, in doublings, on every workload bench/critical.py
-# validates (bench/README.md, "Critical batch: probe vs sweep"): the interval is the prediction within it.
+# validates (bench/results/2026-12-02-critical.md): the interval is the prediction within it.
 VALIDATED_DOUBLINGS = 1
 
 

@@ -85,7 +85,7 @@ def grad_sq_norm(model: nn.Module) -> torch.Tensor:
 # `every: auto` keeps the measurement's extra pass near this share of a step's compute.
 AUTO_EVERY_COST = 0.03
 # A pass of one worker's b samples costs about this many times b/(k b) of a fused k-worker pass:
-# small passes use the hardware worse (bench/README.md, "Cost of measure=[gns]").
+# small passes use the hardware worse (bench/results/2026-11-23-gns-cost.md).
 SMALL_PASS_PENALTY = 1.5
 
 
@@ -113,7 +113,7 @@ class GradientNoiseScale(Technique):
     The extra pass of the first way costs about 1/k of a step of k fused workers: with `every: auto` it
     runs every n-th step only (`measure_every`). The EMA keeps its decay per measurement, so it averages
     as many measurements (1 / (1 - ema_decay)) whatever n is: fewer measurements in the average would
-    let B_simple's denominator |G|^2 fall below zero more often (bench/README.md, "Cost of measure=[gns]").
+    let B_simple's denominator |G|^2 fall below zero more often (bench/results/2026-11-23-gns-cost.md).
     """
 
     name = "gns"

@@ -17,8 +17,8 @@ from lbt.spec.validate import integer, number
 
 @dataclass(frozen=True)
 class ProbeSettings:
-    # The defaults are the probe bench/critical.py chose on its workloads (bench/README.md): snapshots at 17%
-    # and 50% of the budget, held-LR branches of 5%, cooldowns of 20%.
+    # The defaults are the probe bench/critical.py chose on its workloads (bench/results/2026-12-02-critical.md):
+    # snapshots at 17% and 50% of the budget, held-LR branches of 5%, cooldowns of 20%.
     checkpoints: int = 2  # K snapshots of the base run, log-uniform in samples seen from `first` to `last`
     first: float = 0.171  # of the budget
     last: float = 0.5
