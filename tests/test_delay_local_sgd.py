@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import final_params, initial_params, relative_diff, train
 
+from lbt.engine.strategies.base import StepStrategy
 from lbt.engine.strategies.gradient_delay import DelayLine, GradientDelay
 from lbt.engine.strategies.local_sgd import LocalSGD, allreduces_at, averages_after
 from lbt.errors import ConfigError
@@ -54,16 +55,45 @@ def test_bad_values_and_conflicts_are_config_errors():
     for make in (lambda: GradientDelay(0), lambda: LocalSGD(period=0), lambda: LocalSGD(warmup_steps=-1)):
         with pytest.raises(ConfigError, match="must be"):
             make()
-    with pytest.raises(ConfigError, match="local_sgd with gradient_delay: local SGD sends no gradients to delay"):
-        train_config_error(["technique=[gradient_delay,local_sgd]"])
-    with pytest.raises(ConfigError, match="local_sgd with comm_compression"):
-        train_config_error(["technique=[local_sgd,comm_compression]"])
+    with pytest.raises(ConfigError, match="strategy=local_sgd with technique.comm_compression"):
+        train_config_error(["strategy=local_sgd", "technique=[comm_compression]"])
     with pytest.raises(ConfigError, match="dist.procs=1"):
-        train_config_error(["technique=[local_sgd]", "dist.world_size=4", "dist.procs=2"])
+        train_config_error(["strategy=local_sgd", "dist.world_size=4", "dist.procs=2"])
     # The automatic batch ramp measures the noise scale as measure=[gns] does: refused beside a real delay too.
     with pytest.raises(ConfigError, match="batch_ramp mode=auto"):
         GradientDelay(1).setup(BatchLayout(world_size=2, procs=2, per_worker_batch=32, global_batch=64),
                                [AutoBatchRamp()])
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (["technique=[local_sgd]"], "technique=local_sgd: local_sgd is a step strategy; give strategy=local_sgd"),
+    (["technique=[label_smoothing,gradient_delay]"],
+     "technique=gradient_delay: gradient_delay is a step strategy; give strategy=gradient_delay"),
+    (["technique.gradient_delay.delay=2"],
+     "technique.gradient_delay.delay: gradient_delay is a step strategy; give strategy=gradient_delay "
+     "strategy.delay=..."),
+])
+def test_a_strategy_given_as_a_technique_is_refused_naming_its_own_key(overrides, line):
+    """Local SGD and gradient delay replace the step, so they are the `strategy` group's, not techniques:
+    the technique spelling is one line naming the strategy key."""
+    from lbt.apps.compose import compose
+
+    with pytest.raises(ConfigError) as refused:
+        compose(overrides)
+    assert str(refused.value) == line
+
+
+def test_a_strategy_is_its_own_group_and_builds_with_its_keys():
+    from conftest import FAST, compose_config
+
+    from lbt.engine import make_spec
+    from lbt.engine.build import build_strategy
+
+    config, recipe = compose_config(FAST + RUN + ["strategy=local_sgd", "strategy.period=3", "dist.world_size=4"])
+    strategy = build_strategy(make_spec(config, recipe))
+    assert isinstance(strategy, LocalSGD) and strategy.period == 3
+    config, recipe = compose_config(FAST + RUN)
+    assert "strategy" not in config and type(build_strategy(make_spec(config, recipe))) is StepStrategy
 
 
 def train_config_error(overrides: list[str]) -> None:
@@ -81,7 +111,7 @@ def train_config_error(overrides: list[str]) -> None:
 # -- simulated == real ---------------------------------------------------------------------------
 def test_local_sgd_with_period_1_is_synchronous_sgd(tmp_path):
     """Averaging the models after every step is linear in the updates: momentum SGD's synchronous run."""
-    train(tmp_path / "local", RUN + ["technique=[local_sgd]", "technique.local_sgd.period=1", "dist.world_size=4"])
+    train(tmp_path / "local", RUN + ["strategy=local_sgd", "strategy.period=1", "dist.world_size=4"])
     train(tmp_path / "sync", RUN + ["dist.world_size=4"])
     assert relative_diff(final_params(tmp_path / "local"), final_params(tmp_path / "sync")) < 1e-5
 
@@ -109,8 +139,8 @@ def test_lbt_study_sweeps_delay_and_period_as_separate_curves(tmp_path):
     tiny = ["recipe=baseline", "data=synthetic", "model=mlp", "data.num_train=256", "trainer.epochs=1",
             "trainer.per_worker_batch=32", "dist.world_size=2", "extra_sweeps={}",
             "hydra/launcher=basic"]  # one process: no job start-up per run
-    sweeps = {"delay": ["technique=[gradient_delay]", "technique.gradient_delay.delay=1,2"],
-              "local": ["technique=[local_sgd]", "technique.local_sgd.period=1,4"]}
+    sweeps = {"delay": ["strategy=gradient_delay", "strategy.delay=1,2"],
+              "local": ["strategy=local_sgd", "strategy.period=1,4"]}
     from lbt.apps.cli import main
 
     for name, sweep in sweeps.items():  # in this process, as `lbt study` runs it (no interpreter start-ups)
@@ -119,8 +149,7 @@ def test_lbt_study_sweeps_delay_and_period_as_separate_curves(tmp_path):
     rows = json.loads((tmp_path / "study" / "summary.json").read_text())["rows"]
     series = {r["recipe"]: r for r in rows}
     assert len(series) == 4, sorted(series)
-    for value in ("technique.gradient_delay.delay=1", "technique.gradient_delay.delay=2",
-                  "technique.local_sgd.period=1", "technique.local_sgd.period=4"):
+    for value in ("strategy.delay=1", "strategy.delay=2", "strategy.period=1", "strategy.period=4"):
         assert [name for name in series if value in name], (value, sorted(series))
     # 4 steps: synchronous gradient allreduces, or averages after steps 0 (and 1, 2, 3 with period 1).
     assert {r["allreduces"] for name, r in series.items() if "period=4" in name} == {1}

@@ -68,8 +68,8 @@ def test_sharding_settings_it_cannot_run_are_one_line(tmp_path, capsys):
         (["dist.shard=fsdp", "dist.fuse_workers=true"], "dist.fuse_workers=true with dist.shard=fsdp"),
         (["dist.shard=fsdp", "dist.procs=2", "technique=[comm_compression]"],
          "technique.comm_compression with dist.shard=fsdp: it reads or changes the gradient DDP sends"),
-        (["dist.shard=fsdp", "dist.procs=2", "technique=[local_sgd]"],
-         "technique.local_sgd with dist.shard=fsdp: it replaces the synchronous step"),
+        (["dist.shard=fsdp", "dist.procs=2", "strategy=local_sgd"],
+         "strategy=local_sgd with dist.shard=fsdp: it replaces the synchronous step"),
         (["dist.shard=fsdp", "dist.procs=2", "optim=muon"], "optim.optimizer_class=MuonAdamW with layers split"),
     ]:
         code, err = run_main(["train", *FAST, *overrides, f"hydra.run.dir={tmp_path / 'x'}"], capsys)

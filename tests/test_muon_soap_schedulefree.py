@@ -240,7 +240,7 @@ def test_schedule_free_refuses_a_decaying_schedule_and_local_sgd():
         check_averaging("AdamWScheduleFree", wsd(decay="cosine"), StepStrategy())
     with pytest.raises(ConfigError, match="an LR that drops at milestones"):
         check_averaging("AdamWScheduleFree", wsd(decay="constant", drops=((5000, 0.1),)), StepStrategy())
-    with pytest.raises(ConfigError, match="technique local_sgd with optim.optimizer_class=AdamWScheduleFree"):
+    with pytest.raises(ConfigError, match="strategy=local_sgd with optim.optimizer_class=AdamWScheduleFree"):
         check_averaging("AdamWScheduleFree", wsd(decay="constant"), LocalSGD())
     check_averaging("AdamWScheduleFree", wsd(decay="constant"), StepStrategy())  # warmup, then constant: fine
 

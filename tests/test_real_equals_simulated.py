@@ -48,7 +48,7 @@ MLP_6 = ["model=mlp", "model.hidden=32", "data.num_train=384", "data.num_test=64
 # 384 samples / global batch 64 = 6 steps of the BN-free mlp.
 DELAY_RUN = ["model=mlp", "data.num_train=384", "trainer.epochs=1", "trainer.global_batch=64", "optim.lr=0.05",
              "trainer.evals=0"]
-LOCAL_SGD = ["technique=[local_sgd]", "technique.local_sgd.period=3", "technique.local_sgd.warmup_steps=2",
+LOCAL_SGD = ["strategy=local_sgd", "strategy.period=3", "strategy.warmup_steps=2",
              "trainer.evals=2"]
 TINY_TRANSFORMER = ["model=transformer1d", "model.dim=16", "model.heads=2", "model.depth=1"]
 AUTO_RAMP = ["optim=adamw", "schedule=constant", "schedule.scaling=adam_sqrt", "optim.betas=[0.99,0.999]",
@@ -108,7 +108,7 @@ def real_cases(inputs: dict) -> dict[str, list[str]]:
         "stop_at_target": FAST + STOP_RUN + ["dist.procs=2", inputs["stop"]],
         "bf16": FAST + MLP_6 + ["trainer.precision=bf16", "dist.world_size=2", "dist.procs=2"],
         "auto_ramp": FAST + AUTO_RAMP + ["dist.procs=2"],
-        "gradient_delay": FAST + DELAY_RUN + ["technique=[gradient_delay]", "technique.gradient_delay.delay=1",
+        "gradient_delay": FAST + DELAY_RUN + ["strategy=gradient_delay", "strategy.delay=1",
                                               "dist.world_size=2", "dist.procs=2"],
         **{f"local_sgd_w{w}": FAST + DELAY_RUN + LOCAL_SGD + [f"dist.world_size={w}", f"dist.procs={w}"]
            for w in (2, 4)},
@@ -258,7 +258,7 @@ def test_auto_ramp_simulated_equals_real_processes(real, tmp_path):
 
 
 def test_delay_simulated_equals_real_and_differs_from_synchronous(real, tmp_path):
-    delay = ["technique=[gradient_delay]", "technique.gradient_delay.delay=1", "dist.world_size=2"]
+    delay = ["strategy=gradient_delay", "strategy.delay=1", "dist.world_size=2"]
     simulated = train(tmp_path / "sim", DELAY_RUN + delay)
     sync = train(tmp_path / "sync", DELAY_RUN + ["dist.world_size=2"])
     delayed = result(real["gradient_delay"])

@@ -57,11 +57,11 @@ TECHNIQUES = {
     "bn_epoch_average": (["technique=[bn_epoch_average]"], STOP_AT),
     "gns": (["measure=[gns]"], STOP_AT),
     # The pending averaged gradients (two real processes: their allreduces in flight at the signal).
-    "gradient_delay": (["technique=[gradient_delay]", "technique.gradient_delay.delay=2"], STOP_AT),
-    "gradient_delay_real": (["technique=[gradient_delay]", "dist.procs=2"], STOP_AT),
+    "gradient_delay": (["strategy=gradient_delay", "strategy.delay=2"], STOP_AT),
+    "gradient_delay_real": (["strategy=gradient_delay", "dist.procs=2"], STOP_AT),
     # Each worker's own model (BN statistics included) and optimizer state; real: per rank, and the averager's step.
-    "local_sgd": (["technique=[local_sgd]", "technique.local_sgd.warmup_steps=4"], STOP_AT),
-    "local_sgd_real": (["technique=[local_sgd]", "technique.local_sgd.warmup_steps=4", "dist.procs=2"], STOP_AT),
+    "local_sgd": (["strategy=local_sgd", "strategy.warmup_steps=4"], STOP_AT),
+    "local_sgd_real": (["strategy=local_sgd", "strategy.warmup_steps=4", "dist.procs=2"], STOP_AT),
     # Tensor parallelism (2 processes splitting the head, 2 simulated data-parallel workers): checkpoints
     # hold whole tensors, LARS's momentum included, and are split again on resume.
     "tensor_parallel": (["dist.procs=2", "dist.world_size=4", "dist.tensor_parallel=2", "optim=lars"], STOP_AT),

@@ -17,12 +17,14 @@ from lbt.techniques.batch_ramp import BatchRamp, ramp_growth
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
 TECHNIQUES = sorted(p.stem for p in (REPO / "conf" / "technique").glob("*.yaml"))
+STRATEGIES = sorted(p.stem for p in (REPO / "conf" / "strategy").glob("*.yaml"))
 TWO_STEPS = ["trainer.max_steps=2", "trainer.epochs=1", "trainer.log_every=1"]
 
 
 def test_there_are_recipes_and_techniques():
     assert {"baseline", "linear_scaling", "goyal2017", "lars", "lamb", "smith2017_ramp", "akiba2017"} <= set(RECIPES)
     assert {"batch_ramp", "ghost_bn", "gns", "zero_init_residual", "bn_epoch_average"} <= set(TECHNIQUES)
+    assert set(STRATEGIES) == {"gradient_delay", "local_sgd"}
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -49,6 +51,13 @@ def test_every_technique_trains_two_steps_alone(technique, tmp_path):
         return
     result = train(tmp_path, overrides)
     assert result["steps"] == 2 and math.isfinite(result["final_train_loss"])
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_strategy_trains_two_steps(strategy, tmp_path):
+    result = train(tmp_path, [f"strategy={strategy}", "dist.world_size=2", *TWO_STEPS])
+    assert result["steps"] == 2 and math.isfinite(result["final_train_loss"])
+    assert len(result["techniques"]) == 1  # the strategy, as result.json lists it
 
 
 def test_train_lr_curve_is_lr_at(tmp_path, capsys):

@@ -27,7 +27,7 @@ COMMANDS = {
 
 
 # The oldest torch lbt runs on, as pyproject.toml says: fully_shard (torch.distributed.fsdp) and DTensor
-# (torch.distributed.tensor) are public from 2.6. tests/test_cli.py checks the two agree and that the
+# (torch.distributed.tensor) are public from 2.6. tests/test_cli_errors.py checks the two agree and that the
 # installed torch has what the floor stands for.
 TORCH_FLOOR = (2, 6)
 
@@ -74,9 +74,9 @@ def main(argv: list[str] | None = None) -> None:
         print(USAGE, file=sys.stderr)
         fail(f"unknown command {command!r}")
     module, function = COMMANDS[command]
-    problem = torch_problem(metadata.version("torch"))
-    if problem is not None:
-        fail(problem)
+    too_old = torch_problem(metadata.version("torch"))
+    if too_old is not None:
+        fail(too_old)
     try:
         code = getattr(import_module(module), function)(args)  # `lbt plan` returns its exit code, the others None
     except (OSError, RuntimeError) as error:  # PIL, torch.save and open() each report a full disk their own way

@@ -220,16 +220,33 @@ def explain(error: BaseException, defaults: Mapping | None, search_dirs: list[Pa
     """
     message = one_line(error)
     missing = re.search(r"Could not (?:find|load) '([\w/]+)/([^'/]+)'", message)
+    unknown = re.search(r"Could not override '([^']+)'", message)
+    option = (missing.group(1), missing.group(2)) if missing else None
+    moved = strategy_named(option, unknown.group(1) if unknown else None, search_dirs)
+    if moved:
+        return moved
     if missing:
         group, name = missing.groups()
         options = group_options(group, search_dirs)
         close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
         hint = f"did you mean {group}={close[0]}? " if close else ""
         return f"{group}={name}: no such {group} config; {hint}available: {', '.join(options) or 'none'}"
-    unknown = re.search(r"Could not override '([^']+)'", message)
     if unknown and defaults is not None:
         return unknown_key(unknown.group(1).lstrip("+~"), defaults) or message
     return message
+
+
+def strategy_named(option: tuple[str, str] | None, key: str | None, search_dirs: list[Path]) -> str | None:
+    """A step strategy given as a technique (`technique=local_sgd`, `technique.local_sgd.period=8`): the line
+    naming its own group's key, since a strategy replaces the step where a technique hooks into it."""
+    strategies = group_options("strategy", search_dirs)
+    if option is not None and option[0] == "technique" and option[1] in strategies:
+        return f"technique={option[1]}: {option[1]} is a step strategy; give strategy={option[1]}"
+    parts = (key or "").lstrip("+~").split(".")
+    if len(parts) > 2 and parts[0] == "technique" and parts[1] in strategies:
+        return (f"{'.'.join(parts)}: {parts[1]} is a step strategy; give strategy={parts[1]} "
+                f"strategy.{'.'.join(parts[2:])}=...")
+    return None
 
 
 def unknown_key(dotted: str, config: Mapping) -> str | None:

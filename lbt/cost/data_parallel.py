@@ -11,7 +11,7 @@ allreduce), evaluated for W = 1, 2, 4, ... workers:
     step      = slowest + allreduce - hidden,  hidden = min(allreduce, overlap x backward)
     epoch     = N / (b W) x step
 
-With gradient delay (`--delay d`, technique gradient_delay; d=1 is double
+With gradient delay (`--delay d`, strategy=gradient_delay; d=1 is double
 buffering) a step's allreduce runs while the next step computes, so a step
 costs max(slowest, allreduce) instead of their sum; the table then shows both.
 

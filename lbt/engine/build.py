@@ -46,7 +46,9 @@ def instantiate(target: Target, kind: type | tuple[type, ...], /, **kwargs: Any)
             from None
 
 
-TECHNIQUE_KINDS = (Technique, StepStrategy)
+def part_key(part: Technique | StepStrategy) -> str:
+    """Where a built part is configured, as errors name it: `technique.gns`, `strategy=local_sgd`."""
+    return f"strategy={part.name}" if isinstance(part, StepStrategy) else f"technique.{part.name}"
 
 
 def check_targets(spec: RunSpec) -> None:
@@ -61,9 +63,14 @@ def check_targets(spec: RunSpec) -> None:
     if isinstance(spec.data.kwargs.get("dataset"), str):
         locate("data.dataset", spec.data.kwargs["dataset"], tuple)
     for technique in spec.techniques:
-        locate(f"{technique.key}._target_", technique.target, TECHNIQUE_KINDS)
+        built = locate(f"{technique.key}._target_", technique.target, (Technique, StepStrategy))
+        if isinstance(built, type) and issubclass(built, StepStrategy):
+            raise ConfigError(f"{technique.key}: {technique.target} is a step strategy, not a technique: give it "
+                              f"as strategy._target_={technique.target}")
+    if spec.strategy is not None:
+        locate("strategy._target_", spec.strategy.target, StepStrategy)
     if spec.dist.shard == "fsdp" and spec.layout.procs > 1:  # sharded: refused before any process starts
-        refuse_unsharded([instantiate(target, TECHNIQUE_KINDS) for target in spec.techniques])
+        refuse_unsharded([*build_techniques(spec, quiet=True)[0], build_strategy(spec)])
 
 
 def split_layers(spec: RunSpec) -> bool:
@@ -128,19 +135,20 @@ def build_parts(spec: RunSpec, ctx: DistContext, extra_techniques: list[Techniqu
     return Parts(data, spec.layout, budget, schedule, model, optimizer, loss_fn, techniques, strategy)
 
 
-def build_techniques(spec: RunSpec, extra: list[Technique] | tuple = ()) -> tuple[list[Technique], StepStrategy]:
+def build_techniques(spec: RunSpec, extra: list[Technique] | tuple = (),
+                     quiet: bool = False) -> tuple[list[Technique], StepStrategy]:
     """The techniques the spec lists (and `extra`, built objects such as a tuner's pruning hook), in their
-    declared order, and the one step strategy among them (synchronous SGD when none is listed)."""
-    for name in spec.unselected:
+    order, and the step strategy (synchronous SGD when none is chosen)."""
+    for name in () if quiet else spec.unselected:
         note(f"technique.{name} is configured but not selected; ignored")
-    built = [instantiate(target, TECHNIQUE_KINDS) for target in spec.techniques] + list(extra)
-    strategies = [b for b in built if isinstance(b, StepStrategy)]
-    techniques = sort_techniques([b for b in built if isinstance(b, Technique)])
-    refuse_conflicts([*strategies, *techniques])
-    if len(strategies) > 1:
-        a, b = strategies[:2]
-        raise ConfigError(f"technique {a.name} with {b.name}: both replace the synchronous step; use one of them")
-    return techniques, strategies[0] if strategies else StepStrategy()
+    techniques = sort_techniques([instantiate(target, Technique) for target in spec.techniques] + list(extra))
+    strategy = build_strategy(spec)
+    refuse_conflicts([strategy, *techniques])
+    return techniques, strategy
+
+
+def build_strategy(spec: RunSpec) -> StepStrategy:
+    return StepStrategy() if spec.strategy is None else instantiate(spec.strategy, StepStrategy)
 
 
 def refuse_conflicts(parts: list[Technique | StepStrategy]) -> None:
@@ -149,7 +157,7 @@ def refuse_conflicts(parts: list[Technique | StepStrategy]) -> None:
         for other in parts:
             why = next((why for kind, why in part.conflicts.items() if isinstance(other, kind)), None)
             if other is not part and why is not None:
-                raise ConfigError(f"technique {part.name} with {other.name}: {why}; use one of them")
+                raise ConfigError(f"{part_key(part)} with {part_key(other)}: {why}; use one of them")
 
 
 def build_placed_model(spec: RunSpec, data: DataSplits, techniques: list[Technique], strategy: StepStrategy,
@@ -224,7 +232,7 @@ def refuse_unsharded(parts: list[Technique | StepStrategy]) -> None:
             why = "it reads or changes the gradient DDP sends between workers, and a sharded run has no DDP"
         else:
             continue
-        raise ConfigError(f"technique.{part.name} with dist.shard=fsdp: {why}; use dist.shard=none")
+        raise ConfigError(f"{part_key(part)} with dist.shard=fsdp: {why}; use dist.shard=none")
 
 
 def refuse_comm_hooks(parts: list[Technique | StepStrategy], tensor_parallel: int, dp_procs: int) -> None:
@@ -234,7 +242,7 @@ def refuse_comm_hooks(parts: list[Technique | StepStrategy], tensor_parallel: in
         base = StepStrategy if isinstance(part, StepStrategy) else Technique
         overrides = type(part).comm_hook is not base.comm_hook
         if dp_procs > 1 and overrides:
-            raise ConfigError(f"technique.{part.name} works inside DDP's gradient allreduce between real "
+            raise ConfigError(f"{part_key(part)} works inside DDP's gradient allreduce between real "
                               f"workers, and a tensor-parallel run (dist.tensor_parallel={tensor_parallel}) averages "
                               "gradients without DDP: simulate the data-parallel workers (dist.procs="
                               f"{tensor_parallel}) or run with dist.tensor_parallel=1")

@@ -159,7 +159,7 @@ def check_averaging(name: str, schedule: Schedule, strategy: StepStrategy) -> No
                           "schedule=constant (recipe=schedulefree)")
     base = StepStrategy
     if type(strategy).evaluated is not base.evaluated or type(strategy).wrap_optimizer is not base.wrap_optimizer:
-        raise ConfigError(f"technique {strategy.name} with optim.optimizer_class={name}: its evaluation scores "
+        raise ConfigError(f"strategy={strategy.name} with optim.optimizer_class={name}: its evaluation scores "
                           "another model than the optimizer's, so schedule-free's averaged weights cannot be "
                           "switched in; use one of them")
 

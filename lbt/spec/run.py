@@ -1,7 +1,8 @@
 """The run spec: the composed config turned, once, into frozen typed parts, every value checked here.
 
     config (a plain dict, composed by lbt/apps/compose.py)
-      -> build_spec(config, launch) -> RunSpec(trainer, dist, schedule, layout, model, data, optim, techniques)
+      -> build_spec(config, launch) -> RunSpec(trainer, dist, schedule, layout, model, data, optim, techniques,
+                                               strategy)
 
 After this, nothing reads the config by string: the engine takes the spec's parts. The field names
 are the config's keys (`trainer.epochs` is `spec.trainer.epochs`), and lbt/apps/compose.py derives
@@ -165,6 +166,7 @@ class RunSpec:
     overrides: tuple[str, ...]
     config: Mapping[str, Any]  # the resolved config: kept in result.json; its run-defining keys tie checkpoints
     unselected: tuple[str, ...] = ()  # technique nodes configured (by a recipe) but deselected: noted, not built
+    strategy: Target | None = None  # the step strategy (strategy=local_sgd): None is synchronous SGD
 
     @property
     def procs(self) -> int:
@@ -232,9 +234,10 @@ def build_spec(config: Mapping[str, Any], launch: Launch = Launch(), recipe: str
     schedule = from_node(ScheduleSpec, resolved.get("schedule"), "schedule").check()
     check_adam_settings(schedule, optim)
     techniques, unselected = techniques_of(resolved.get("technique"))
+    strategy = target_of(resolved["strategy"], "strategy") if resolved.get("strategy") is not None else None
     return RunSpec(trainer, dist, schedule, layout, target_of(resolved.get("model"), "model"),
                    target_of(resolved.get("data"), "data"), optim, techniques, base_lr, resolved["recipe"],
-                   tuple(resolved["overrides"]), resolved, unselected)
+                   tuple(resolved["overrides"]), resolved, unselected, strategy)
 
 
 def resolve_dist(dist: DistSpec, trainer: TrainerSpec, launch: Launch) -> DistSpec:

@@ -178,7 +178,7 @@ def _network_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overlap", type=float, default=0.0, metavar="FRACTION",
                         help="fraction of the backward pass the allreduce can overlap with (0-1, default 0)")
     parser.add_argument("--delay", type=int, default=0, metavar="D",
-                        help="gradient delay d (technique gradient_delay; 1 = double buffering): each step's "
+                        help="gradient delay d (strategy=gradient_delay; 1 = double buffering): each step's "
                              "allreduce overlaps the next step's compute, step = max(compute, allreduce); "
                              "the table shows the synchronous step beside it (default 0: synchronous)")
     parser.add_argument("--tensor-parallel", metavar="auto|T",

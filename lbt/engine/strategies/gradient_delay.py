@@ -84,7 +84,7 @@ class GradientDelay(StepStrategy):
     conflicts = {CommCompression: "both replace DDP's allreduce (compressing a delayed allreduce is not supported)"}
 
     def __init__(self, delay: int = 1):
-        self.delay = integer("technique.gradient_delay.delay", delay, 1, 1000)
+        self.delay = integer("strategy.delay", delay, 1, 1000)
         # Each entry: one step's averaged gradient, {parameter index: tensor}, or its allreduces in flight.
         self.line = DelayLine(self.delay)
         self.params: list[nn.Parameter] = []
@@ -95,12 +95,12 @@ class GradientDelay(StepStrategy):
     def setup(self, layout: BatchLayout, techniques: list[Technique]) -> None:
         # measure=[gns], or technique.batch_ramp.mode=auto, which measures the noise scale the same way
         if any(isinstance(t, GradientNoiseScale) for t in techniques) and layout.procs > 1:
-            raise ConfigError("technique gradient_delay with the noise scale measured (measure gns, or batch_ramp "
+            raise ConfigError("strategy=gradient_delay with the noise scale measured (measure gns, or batch_ramp "
                               "mode=auto) on real processes: the noise scale "
                               "needs the step's own averaged gradient, which the delayed allreduce has not "
                               "delivered yet; measure it with simulated workers (dist.procs=1)")
         if layout.world_size == 1:
-            note(f"technique.gradient_delay.delay={self.delay}: one worker in all; the delay is still applied "
+            note(f"strategy.delay={self.delay}: one worker in all; the delay is still applied "
                  "(it models a stale gradient, with no allreduce to overlap)")
 
     def comm_hook(self, allreduce: CommHook, ddp_model: nn.Module) -> CommHook:

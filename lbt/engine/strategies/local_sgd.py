@@ -38,7 +38,6 @@ import torch.distributed as dist
 from torch import nn
 
 from lbt.engine.strategies.base import StepFunction, StepStrategy
-from lbt.engine.strategies.gradient_delay import GradientDelay
 from lbt.errors import ConfigError
 from lbt.metrics.text_log import note
 from lbt.spec.batching import BatchLayout
@@ -128,7 +127,6 @@ class LocalSGD(StepStrategy):
     name = "local_sgd"
     conflicts = {
         CommCompression: "both replace DDP's allreduce",
-        GradientDelay: "local SGD sends no gradients to delay",
         BatchRamp: "the replicas are made for one number of workers",
         AutoBatchRamp: "the replicas are made for one number of workers",
     }
@@ -138,17 +136,17 @@ class LocalSGD(StepStrategy):
     optimizer: Any
 
     def __init__(self, period: int = 4, warmup_steps: int = 0):
-        self.period = integer("technique.local_sgd.period", period, 1, 1_000_000)
-        self.warmup_steps = integer("technique.local_sgd.warmup_steps", warmup_steps, 0)
+        self.period = integer("strategy.period", period, 1, 1_000_000)
+        self.warmup_steps = integer("strategy.warmup_steps", warmup_steps, 0)
         self.workers = 1
         self.real = False
         self.hook_state: Any = None  # torch's PostLocalSGDState, real processes
         self.replicas: Replicas | None = None  # simulated workers, from the first local step
 
     def setup(self, layout: BatchLayout, techniques: list[Technique]) -> None:
-        key = f"technique.local_sgd.period={self.period}"
+        key = f"strategy.period={self.period}"
         if any(isinstance(t, GradientNoiseScale) for t in techniques) and layout.procs > 1:
-            raise ConfigError("technique local_sgd with measure gns on real processes: after the warm-up no "
+            raise ConfigError("strategy=local_sgd with measure gns on real processes: after the warm-up no "
                               "gradient is averaged to measure the noise scale with; measure it with simulated "
                               "workers (dist.procs=1), where it is measured during the warm-up only")
         if layout.world_size == 1:
