@@ -245,7 +245,8 @@ def test_a_sigterm_to_the_probe_alone_stops_the_branches_its_launcher_runs_elsew
     (["probe.seeds=0"], "probe.seeds"),
     (["probe.cooldown=1.5"], "probe.cooldown"),
     (["probe.last=0.9", "probe.cooldown=0.5"], "probe.cooldown=0.5: the last snapshot's cooldown runs past"),
-    (["probe.confirm=maybe"], "probe.confirm=maybe: give true or false"),
+    (["probe.confirm=maybe"], "probe.confirm=maybe Value 'maybe' is not a valid bool"),  # as trainer.* say it
+    (["probe.max_factor=many"], "probe.max_factor=many Value 'many' of type 'str' could not be converted to Integer"),
     (["probe.dir=runs/my probe"], "give a path of letters, digits"),  # before any folder or timing
     (["probe.dir=runs/a,b"], "give a path of letters, digits"),
     (["probe.dir=runs/prøbe"], "give a path of letters, digits"),
@@ -259,6 +260,20 @@ def test_bad_probe_settings_are_one_line(tmp_path, args, says, capfd, monkeypatc
     assert code == 2 and len(lines) == 1 and lines[0].startswith("lbt: error:"), err
     assert says in lines[0]
     assert not (tmp_path / "p").exists() and not (tmp_path / "runs").exists()  # refused before anything was written
+
+
+def test_probe_cfg_job_prints_its_settings_with_the_base_runs_config_and_runs_nothing(tmp_path, capfd, monkeypatch):
+    """`lbt probe --cfg job` shows probe.* (defaults and the given ones) above the config the base run trains,
+    as `lbt train --cfg job` shows a run's; nothing is written."""
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main_io(["probe", *PROBE, "probe.checkpoints=4", "--cfg", "job"], capfd)
+    assert code == 0 and not err, err
+    shown = yaml.safe_load(out)
+    assert shown["probe"]["checkpoints"] == 4 and shown["probe"]["max_factor"] == 8 and shown["probe"]["evals"] == 8
+    assert shown["model"]["_target_"] == "lbt.models.MLP" and shown["trainer"]["epochs"] == 4
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import torch
+from omegaconf import OmegaConf
 
 from lbt.apps.plan.compute import (
     compute_from_result,
@@ -268,10 +269,14 @@ def plan_main(argv: list[str]) -> int:
     """`lbt plan ARGS`: print the table over W, write the PNG; 0 on success, 2 on a usage error (one
     `lbt: error:` line on stderr)."""
     try:
+        shown, argv = config_flag(argv)
         args, overrides = config_overrides(argv)
         options = _parser().parse_args(hydra_style(args))
         options.overrides = overrides
         check_options(options)
+        if shown:
+            print(OmegaConf.to_yaml({"plan": own_settings(options), **planned_parts(options)}), end="")
+            return 0
         inputs = plan_inputs(options)
     except SystemExit as done:  # --help
         return int(done.code or 0)
@@ -293,6 +298,31 @@ def plan_main(argv: list[str]) -> int:
                 summarize(rows, inputs.critical_batch, inputs.critical_name)
                 + memory_lines(memory, optimizer, [r.workers for r in rows], gpu_gb),
                 plot(rows, plot_path(options), title, inputs.critical_batch))
+
+
+def config_flag(argv: list[str]) -> tuple[bool, list[str]]:
+    """Whether `--cfg job` was given (as `lbt train` takes it), and the arguments without it."""
+    for i, arg in enumerate(argv):
+        if arg in ("--cfg", "-c"):
+            if argv[i + 1:i + 2] != ["job"]:
+                raise ValueError(f"lbt plan {arg} takes job (the plan's settings and the model and data it plans)")
+            return True, argv[:i] + argv[i + 2:]
+    return False, argv
+
+
+def own_settings(options: argparse.Namespace) -> dict:
+    """The plan's options as `--cfg job` shows them: snake_case keys, as `key=value` gives them."""
+    return {key: value for key, value in sorted(vars(options).items()) if key != "overrides"}
+
+
+def planned_parts(options: argparse.Namespace) -> dict:
+    """The model and the data the plan is for, as a run's config holds them."""
+    if options.from_result:
+        model, data = run_parts(read_run(options.from_result))
+    else:
+        model, data = model_and_data(options.model or "cnn1d", options.data or "mnist1d",
+                                     [*data_overrides(options), *options.overrides])
+    return {part.key: {"_target_": part.target, **part.kwargs} for part in (model, data)}
 
 
 def usage_error(error: BaseException) -> int:

@@ -28,7 +28,9 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from lbt.apps.compose import compose
+from omegaconf import OmegaConf
+
+from lbt.apps.compose import Composed, compose
 from lbt.apps.errors import Stopped, fail, raise_if_stopped, stop_between_runs
 from lbt.apps.estimate import duration, timed_rate
 from lbt.apps.probe.analysis import analyse, branch_dir, branch_done, budget_points, checkpoint_numbers, verdicts
@@ -63,6 +65,8 @@ predicted from one base run and short branches from its snapshots instead of a f
   probe.seeds=1                              k=1 branches over data orders (2+: a noise floor)
   probe.metric=acc probe.tolerance=1         the study's criterion (points; loss: nats, 0.05)
   probe.confirm=true                         then full runs around the prediction: the sweep's answer
+  --cfg job                                  print the probe's settings and the base run's config, run nothing
+  --config-dir DIR                           your own configs, as `lbt train --config-dir` takes them
 """
 
 # Keys a branch sets itself: the user's values for them define the base run only.
@@ -76,8 +80,12 @@ def probe_command(args: list[str]) -> None:
         print(PROBE_HELP)
         return
     started = time.perf_counter()
+    shown, args = config_flag(args)
     try:
         settings, overrides = split_args(args)
+        if shown:  # the probe's settings (probe.dir: where it would write) above the base run's config
+            print(OmegaConf.to_yaml({"probe": vars(settings), **compose_base(settings, overrides).config}), end="")
+            return
         spec, plan = plan_probe(settings, overrides)
     except ConfigError as error:
         fail(str(error))
@@ -153,7 +161,27 @@ def console(level: str) -> Iterator[None]:
             os.environ[CONSOLE] = before
 
 
+def config_flag(args: list[str]) -> tuple[bool, list[str]]:
+    """Whether `--cfg job` was given (as `lbt train` takes it), and the arguments without it."""
+    for i, arg in enumerate(args):
+        if arg in ("--cfg", "-c"):
+            if args[i + 1:i + 2] != ["job"]:
+                fail(f"lbt probe {arg} takes job (the probe's settings and its base run's config)")
+            return True, args[:i] + args[i + 2:]
+    return False, args
+
+
 def plan_probe(settings: ProbeSettings, overrides: list[str]) -> tuple[RunSpec, ProbePlan]:
+    composed = compose_base(settings, overrides)
+    spec = make_spec(composed.config, composed.recipe, [o for o in overrides if not o.startswith("--config-dir=")])
+    if spec.trainer.branch_from is not None or spec.trainer.snapshot_samples:
+        raise ConfigError("lbt probe sets trainer.snapshot_samples and trainer.branch_* itself")
+    data = build_data(spec.data)
+    return spec, make_plan(spec, dataset_size(data.train), settings)
+
+
+def compose_base(settings: ProbeSettings, overrides: list[str]) -> Composed:
+    """The base run's config: the overrides and --config-dir checked as the probe takes them."""
     config_dir = next((o.split("=", 1)[1] for o in overrides if o.startswith("--config-dir=")), None)
     overrides = [o for o in overrides if not o.startswith("--config-dir=")]
     flags = [o for o in overrides if o.startswith("-")]
@@ -165,12 +193,7 @@ def plan_probe(settings: ProbeSettings, overrides: list[str]) -> tuple[RunSpec, 
     if folders:
         raise ConfigError(f"{folders[0]}: lbt probe writes every run of it under probe.dir (now {settings.dir}): "
                           f"give probe.dir=... instead")
-    composed = compose([o for o in overrides if not o.startswith("hydra")], config_dir)
-    spec = make_spec(composed.config, composed.recipe, overrides)
-    if spec.trainer.branch_from is not None or spec.trainer.snapshot_samples:
-        raise ConfigError("lbt probe sets trainer.snapshot_samples and trainer.branch_* itself")
-    data = build_data(spec.data)
-    return spec, make_plan(spec, dataset_size(data.train), settings)
+    return compose([o for o in overrides if not o.startswith("hydra")], config_dir)
 
 
 def claim_folder(folder: Path, settings: ProbeSettings, overrides: list[str], spec: RunSpec) -> None:

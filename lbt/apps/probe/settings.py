@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import difflib
 import math
 import re
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from lbt.errors import ConfigError
 from lbt.spec.objective import Metric, metric_named
@@ -61,34 +59,37 @@ class ProbeSettings:
             number("probe.tolerance", self.tolerance, low=0, low_open=True)
         integer("probe.evals", self.evals, 1, 100)
         number("probe.diverge", self.diverge, low=1, low_open=True)
-        if not re.fullmatch(r"[\w./~+-]+", self.dir, re.ASCII):
-            raise ConfigError(f"probe.dir={self.dir}: give a path of letters, digits and . _ - / ~ + (its branches are "
-                              "Hydra jobs, whose command line holds no spaces, commas or other characters)")
+        check_dir(self.dir)
         return self
+
+
+# The probe's settings as a config of their own (`probe.KEY=VALUE` are Hydra overrides of it): the same
+# types, errors and "did you mean" as any key of a run's config, and `lbt probe --cfg job` shows them.
+SETTINGS_CONFIG = "lbt_probe_settings"
 
 
 def split_args(args: list[str]) -> tuple[ProbeSettings, list[str]]:
     """(the probe's settings, the rest: `lbt train` overrides and Hydra's launcher choice)."""
-    values: dict[str, Any] = {}
-    rest = []
-    names = [f.name for f in fields(ProbeSettings)]
+    from hydra.core.config_store import ConfigStore
+
+    from lbt.apps.compose import compose, hydra_schema
+
     args = config_dir_flag(args)
-    for arg in args:
-        if not arg.startswith("probe."):
-            rest.append(arg)
-            continue
-        key, _, value = arg.removeprefix("probe.").partition("=")
-        if key not in names:
-            close = difflib.get_close_matches(key, names, n=1)
-            hint = f"; did you mean probe.{close[0]}?" if close else f" (keys: {', '.join(names)})"
-            raise ConfigError(f"probe.{key}: no such setting{hint}")
-        if not value:
-            raise ConfigError(f"probe.{key} needs a value (probe.{key}=VALUE)")
-        values[key] = read_value(key, value)
-    settings = ProbeSettings(**values)
+    own = [a for a in args if a.lstrip("+~").startswith("probe.")]
+    for arg in own:  # before Hydra reads it: a comma would make it a sweep, a space or a non-ASCII letter a job's
+        if arg.startswith("probe.dir="):  # command line Hydra cannot take back
+            check_dir(arg.removeprefix("probe.dir="))
+    ConfigStore.instance().store(name=SETTINGS_CONFIG, node={"probe": hydra_schema(ProbeSettings)})
+    settings = ProbeSettings(**compose(own, config_name=SETTINGS_CONFIG).config["probe"])
     if not settings.dir:
         settings = replace(settings, dir=f"runs/probe/{time.strftime('%Y-%m-%d_%H-%M-%S')}")
-    return settings.check(), rest
+    return settings.check(), [a for a in args if a not in own]
+
+
+def check_dir(folder: str) -> None:
+    if not re.fullmatch(r"[\w./~+-]+", folder, re.ASCII):
+        raise ConfigError(f"probe.dir={folder}: give a path of letters, digits and . _ - / ~ + (its branches are "
+                          "Hydra jobs, whose command line holds no spaces, commas or other characters)")
 
 
 def config_dir_flag(args: list[str]) -> list[str]:
@@ -105,19 +106,3 @@ def config_dir_flag(args: list[str]) -> list[str]:
             arg = f"--config-dir={Path(arg.split('=', 1)[1]).expanduser().absolute()}"
         out.append(arg)
     return out
-
-
-def read_value(key: str, text: str) -> Any:
-    if key in ("metric", "dir"):
-        return text
-    if key in ("confirm", "prune"):
-        if text.lower() not in ("true", "false"):
-            raise ConfigError(f"probe.{key}={text}: give true or false")
-        return text.lower() == "true"
-    if key == "tolerance" and text in ("null", "none"):
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise ConfigError(f"probe.{key}={text}: not a number") from None
-    return int(value) if key in ("checkpoints", "max_factor", "seeds", "evals") and value.is_integer() else value

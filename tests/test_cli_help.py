@@ -1,0 +1,32 @@
+"""Every command's `--help` starts with the same usage line, and the commands that build a run show their own
+settings with the run's under `--cfg job`."""
+
+import pytest
+import yaml
+from test_cli_errors import run_main_io
+
+from lbt.apps.cli import COMMANDS
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_has_help_that_starts_with_its_usage_line(command, capfd):
+    code, out, err = run_main_io([command, "--help"], capfd)
+    assert code == 0 and not err, err
+    assert out.startswith(f"usage: lbt {command} "), out[:200]
+
+
+def test_plan_cfg_job_prints_its_settings_with_the_model_and_data_it_plans(capfd, tmp_path, monkeypatch):
+    """`lbt plan --cfg job` shows the plan's options (per_worker_batch, network, ...) and the model and data
+    configs it would profile, and measures nothing."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main_io(["plan", "model=mlp", "per_worker_batch=32", "--network", "1gbe",
+                                  "model.hidden=64", "--cfg", "job"], capfd)
+    assert code == 0 and not err, err
+    shown = yaml.safe_load(out)
+    assert shown["plan"]["per_worker_batch"] == 32 and shown["plan"]["network"] == "1gbe"
+    assert shown["model"] == {"_target_": "lbt.models.MLP", "hidden": 64, "num_layers": 2}
+    assert shown["data"]["_target_"] == "lbt.data.build_mnist1d"
+    assert list(tmp_path.iterdir()) == []  # no plot, no profile
+    code, _, err = run_main_io(["plan", "--cfg", "hydra"], capfd)
+    assert code == 2 and err.strip() == ("lbt: error: lbt plan --cfg takes job (the plan's settings and the model "
+                                         "and data it plans)")
