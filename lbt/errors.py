@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import errno
+from collections.abc import Iterable
 
 # Errors that a restart meets again: the disk, the permissions, the file system.
 LASTING_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS)
@@ -19,6 +21,18 @@ PLACE_ERRNOS = {
     errno.EEXIST: ("it exists and is not a folder", 2),
     errno.EISDIR: ("it is a folder, not a file", 2),
 }
+
+
+def first_line(error: BaseException) -> str:
+    """An error's first line, or its type's name when it says nothing: what a one-line report quotes."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def closest(name: str, options: Iterable[str]) -> str | None:
+    """The option `name` most likely mistypes (difflib's ratio at least 0.6), for a "did you mean" hint."""
+    close = difflib.get_close_matches(name, [str(option) for option in options], n=1, cutoff=0.6)
+    return close[0] if close else None
 
 
 class ConfigError(ValueError):

@@ -11,7 +11,6 @@ mistyped one.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import re
 import types
@@ -19,7 +18,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, Optional, Union
+from typing import Any, List, Literal, Optional, Union
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
@@ -28,7 +27,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue
 
-from lbt.errors import ConfigError
+from lbt.errors import ConfigError, closest
 from lbt.spec.lr import ScheduleSpec
 from lbt.spec.run import DistSpec, TrainerSpec
 from lbt.spec.targets import keyword_names
@@ -66,6 +65,10 @@ def omegaconf_type(kind: Any) -> Any:
         return kind
     args = [a for a in typing.get_args(kind) if a is not type(None)]
     origin = typing.get_origin(kind)
+    if origin is Literal and all(isinstance(a, str) for a in args):  # a mode: one_of checks the value
+        return str
+    if origin in (Union, types.UnionType) and len(args) == 1 and typing.get_origin(args[0]) is Literal:
+        return Optional[omegaconf_type(args[0])]
     if origin in (Union, types.UnionType) and len(args) == 1 and args[0] in PLAIN_TYPES:
         return Optional[args[0]]
     if origin is tuple and args and args[0] in PLAIN_TYPES:
@@ -138,8 +141,8 @@ def check_added_keys(overrides: list[str], cfg: Any, config_name: str, extra: li
                 check_keyword(key, node)
             continue
         siblings = [str(k) for k in node if str(k) not in (leaf, "hydra")] if OmegaConf.is_dict(node) else []
-        close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
-        hint = f"did you mean {'.'.join(filter(None, (parent, close[0])))}?" if close else "nothing would read it"
+        close = closest(leaf, siblings)
+        hint = f"did you mean {'.'.join(filter(None, (parent, close)))}?" if close else "nothing would read it"
         raise ConfigError(f"{key}: no such key in {parent or 'the config'}; {hint}")
 
 
@@ -149,8 +152,8 @@ def check_keyword(key: str, node: Any) -> None:
     accepted = keyword_names(OmegaConf.to_container(node, resolve=False), parent)  # type: ignore[arg-type]
     if accepted is None or leaf in accepted:
         return
-    close = difflib.get_close_matches(leaf, sorted(accepted), n=1, cutoff=0.6)
-    hint = f"did you mean {parent}.{close[0]}?" if close else f"it takes: {', '.join(sorted(accepted))}"
+    close = closest(leaf, sorted(accepted))
+    hint = f"did you mean {parent}.{close}?" if close else f"it takes: {', '.join(sorted(accepted))}"
     builder = node.get("optimizer_class") or node["_target_"]
     raise ConfigError(f"{key}: {builder} takes no argument {leaf}; {hint}")
 
@@ -228,8 +231,8 @@ def explain(error: BaseException, defaults: Mapping | None, search_dirs: list[Pa
     if missing:
         group, name = missing.groups()
         options = group_options(group, search_dirs)
-        close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
-        hint = f"did you mean {group}={close[0]}? " if close else ""
+        close = closest(name, options)
+        hint = f"did you mean {group}={close}? " if close else ""
         return f"{group}={name}: no such {group} config; {hint}available: {', '.join(options) or 'none'}"
     if unknown and defaults is not None:
         return unknown_key(unknown.group(1).lstrip("+~"), defaults) or message
@@ -257,9 +260,9 @@ def unknown_key(dotted: str, config: Mapping) -> str | None:
         node = node.get(part) if isinstance(node, Mapping) else None
     if not isinstance(node, Mapping):
         return None
-    close = difflib.get_close_matches(leaf, [str(k) for k in node], n=1, cutoff=0.6)
+    close = closest(leaf, node)
     where = parent or "the config"
     if close:
-        return f"{dotted}: no such key in {where}; did you mean {'.'.join(filter(None, (parent, close[0])))}?"
+        return f"{dotted}: no such key in {where}; did you mean {'.'.join(filter(None, (parent, close)))}?"
     return (f"{dotted}: no such key in {where} (keys: {', '.join(sorted(map(str, node)))}); "
             f"a new key needs a leading +, e.g. +{dotted}=...")

@@ -17,7 +17,7 @@ from torch import nn
 from lbt.data.base import DataShape, DataSplits
 from lbt.engine.precision import check_channels_last
 from lbt.engine.strategies.base import StepStrategy
-from lbt.errors import ConfigError
+from lbt.errors import ConfigError, first_line
 from lbt.metrics.text_log import note, say_once
 from lbt.optim.factory import refuse_split_layers
 from lbt.parallel import fsdp, tensor_parallel
@@ -42,8 +42,7 @@ def instantiate(target: Target, kind: type | tuple[type, ...], /, **kwargs: Any)
     except ConfigError:
         raise
     except (TypeError, ValueError) as error:
-        raise ConfigError(f"{target.key}: {str(error).splitlines()[0] if str(error) else type(error).__name__}") \
-            from None
+        raise ConfigError(f"{target.key}: {first_line(error)}") from None
 
 
 def part_key(part: Technique | StepStrategy) -> str:
@@ -210,7 +209,7 @@ def check_model_takes(model: nn.Module, data: DataSplits) -> None:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             model(samples)
     except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as error:  # timm's ViTs assert
-        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        first = first_line(error)
         raise ConfigError(f"the model cannot read this data's samples (shape {tuple(data.input_shape)}): {first}; "
                           "pick a model for this data (1-D signals: model=cnn1d or mlp; images: resnet20, "
                           "torchvision, timm; text (data=text): char_transformer; tokens (data=tokens): gpt)") from None

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from lbt.errors import ConfigError
+from lbt.errors import ConfigError, first_line
 from lbt.spec.validate import one_of
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -118,7 +118,7 @@ def compile_forward(module: nn.Module, device: torch.device, techniques: list) -
         try:
             outputs = compiled(inputs)
         except torch._dynamo.exc.TorchDynamoException as error:
-            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            first = first_line(error)
             raise ConfigError(f"trainer.compile=true: torch.compile cannot compile this model with these "
                               f"techniques ({names}): {first}; run with trainer.compile=false") from None
         checked = True

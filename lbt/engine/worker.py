@@ -32,7 +32,7 @@ from lbt.engine.checkpoint import Checkpointer, exported_model, load_snapshot
 from lbt.engine.outcome import finish, print_start
 from lbt.engine.precision import Precision
 from lbt.engine.trainer import LoopSettings, Trainer
-from lbt.errors import ConfigError
+from lbt.errors import ConfigError, first_line
 from lbt.metrics.tensorboard import RunLogger
 from lbt.metrics.text_log import say_once, text_log
 from lbt.parallel import launcher
@@ -271,8 +271,8 @@ def _spawned_process(rank: int, store_port: int, steps: Any, spec: RunSpec, run_
         launcher.report_failure(rank, str(error), retry=False)
         sys.exit(2)
     except torch.distributed.DistError as error:  # the launcher names the rank that brought the job down
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        launcher.report_failure(rank, f"lost its peers: {first_line}", retry=True, lost_peers=True)
+        reason = first_line(error)
+        launcher.report_failure(rank, f"lost its peers: {reason}", retry=True, lost_peers=True)
         sys.exit(1)
     except Exception as error:
         log_traceback(run_dir, rank, error)

@@ -12,17 +12,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, get_args
 
 from lbt.errors import ConfigError
 from lbt.spec.batching import Budget
 from lbt.spec.validate import integer, number, one_of
 
-SCALING_RULES = ("none", "linear", "sqrt", "adam_sqrt")
-WEIGHT_DECAY_SCALINGS = ("none", "timescale")
-WARMUP_MODES = ("linear", "constant")
+Scaling = Literal["none", "linear", "sqrt", "adam_sqrt"]
+WeightDecayScaling = Literal["none", "timescale"]
+WarmupMode = Literal["linear", "constant"]
 # linear and 1-sqrt: the decay of a warmup-stable-decay schedule (schedule=wsd), over the last decay_fraction
-DECAYS = ("constant", "cosine", "poly", "step", "linear", "1-sqrt")
+Decay = Literal["constant", "cosine", "poly", "step", "linear", "1-sqrt"]
+SCALING_RULES: tuple[Scaling, ...] = get_args(Scaling)
+WEIGHT_DECAY_SCALINGS: tuple[WeightDecayScaling, ...] = get_args(WeightDecayScaling)
+WARMUP_MODES: tuple[WarmupMode, ...] = get_args(WarmupMode)
+DECAYS: tuple[Decay, ...] = get_args(Decay)
 # A probe branch's LR from where it starts: the base run's schedule on, frozen there, or from there linearly to 0.
 BranchLR = Literal["follow", "hold", "cooldown"]
 
@@ -31,14 +35,14 @@ BranchLR = Literal["follow", "hold", "cooldown"]
 class ScheduleSpec:
     """The `schedule` node: everything the LR depends on besides the base LR."""
 
-    scaling: str = "none"
-    weight_decay_scaling: str = "none"
+    scaling: Scaling = "none"
+    weight_decay_scaling: WeightDecayScaling = "none"
     base_batch: int = 64
     warmup_epochs: float = 0.0
     warmup_samples: int | None = None
     warmup_start: float | None = None
-    warmup_mode: str = "linear"
-    decay: str = "cosine"
+    warmup_mode: WarmupMode = "linear"
+    decay: Decay = "cosine"
     decay_fraction: float = 1.0
     final_factor: float = 0.0
     power: float = 2.0
@@ -124,7 +128,7 @@ class Schedule:
     # Adam's betas and eps at base_batch (optim.betas, optim.eps): moved with the batch under adam_sqrt.
     betas: tuple[float, float] | None = None
     eps: float | None = None
-    weight_decay_scaling: str = "none"  # none | timescale (`timescale_weight_decay`)
+    weight_decay_scaling: WeightDecayScaling = "none"  # `timescale_weight_decay`
     # A probe branch (lbt/apps/probe) at another batch than its base run: over `rewarm_samples` from
     # `rewarm_from` the LR climbs linearly from `rewarm_start` x its value to its value, so the jump to
     # the scaled LR is not taken in one step.

@@ -12,13 +12,12 @@ Hydra's schemas from these dataclasses, so a mistyped key fails when the config 
 from __future__ import annotations
 
 import copy
-import difflib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Any, get_args
+from typing import Any, Literal, get_args
 
-from lbt.errors import ConfigError
+from lbt.errors import ConfigError, closest
 from lbt.spec.batching import DEFAULT_PER_WORKER_BATCH, BatchLayout, auto_tensor_parallel, batch_layout
 from lbt.spec.lr import BranchLR, ScheduleSpec
 from lbt.spec.targets import Target, target_of
@@ -31,8 +30,12 @@ MAX_LOCAL_PROCS = 256
 MAX_THREADS = 1024
 MAX_LOADER_WORKERS = 256
 # dist.shard: none keeps the whole model on every data-parallel rank (DDP); fsdp shards it (lbt/parallel/fsdp.py).
-SHARDS = ("none", "fsdp")
-BRANCH_LR = get_args(BranchLR)
+Shard = Literal["none", "fsdp"]
+SHARDS: tuple[Shard, ...] = get_args(Shard)
+BRANCH_LR: tuple[BranchLR, ...] = get_args(BranchLR)
+Device = Literal["auto", "cpu", "cuda"]
+Precision = Literal["fp32", "bf16", "fp16"]
+Backend = Literal["auto", "gloo", "nccl"]
 
 
 @dataclass(frozen=True)
@@ -47,12 +50,12 @@ class TrainerSpec:
     progress: bool = True
     log_every: int = 10
     evals: int = 20
-    device: str = "auto"
+    device: Device = "auto"
     threads: int | None = None
     checkpoint_every: int = 1
     keep_checkpoints: int = 2
-    resume: str | None = None
-    precision: str = "fp32"
+    resume: Literal["auto"] | None = None
+    precision: Precision = "fp32"
     compile: bool = False
     channels_last: bool = False
     loader_workers: int | None = None
@@ -86,8 +89,8 @@ class TrainerSpec:
         integer("trainer.checkpoint_every", self.checkpoint_every, 0)
         integer("trainer.keep_checkpoints", self.keep_checkpoints, 1, 1000)
         one_of("trainer.resume", self.resume, (None, "auto"))
-        one_of("trainer.device", self.device, ("auto", "cpu", "cuda"))
-        one_of("trainer.precision", self.precision, ("fp32", "bf16", "fp16"))
+        one_of("trainer.device", self.device, get_args(Device))
+        one_of("trainer.precision", self.precision, get_args(Precision))
         optional = (("loader_workers", self.loader_workers, 0, MAX_LOADER_WORKERS),
                     ("max_steps", self.max_steps, 1, None), ("threads", self.threads, 1, MAX_THREADS))
         for key, value, low, high in optional:
@@ -128,16 +131,16 @@ class DistSpec:
 
     world_size: int | None = None
     procs: int | None = None
-    backend: str = "auto"
+    backend: Backend = "auto"
     timeout_s: int = 120
-    fuse_workers: bool | str = "auto"  # true, false or auto (lbt/engine/passes.py: workers_per_pass)
+    fuse_workers: bool | Literal["auto"] = "auto"  # true, false or auto (lbt/engine/passes.py: workers_per_pass)
     max_restarts: int = 0
     tensor_parallel: int | str = 1  # a number, or "auto" (see `auto_tensor_parallel`)
     max_global_batch: int | None = None
     # More processes than cores (or than the memory left holds) are refused unless this is true
     # (lbt/parallel/launcher.py: check_resources).
     allow_oversubscribe: bool = False
-    shard: str = "none"  # one of SHARDS
+    shard: Shard = "none"
 
 
 @dataclass(frozen=True)
@@ -205,8 +208,8 @@ def from_node(cls: type, node: Mapping[str, Any] | None, where: str) -> Any:
     names = [f.name for f in fields(cls)]
     for key in node:
         if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
-            hint = f"; did you mean {where}.{close[0]}?" if close else f" (keys: {', '.join(names)})"
+            close = closest(str(key), names)
+            hint = f"; did you mean {where}.{close}?" if close else f" (keys: {', '.join(names)})"
             raise ConfigError(f"{where}.{key}: no such key in {where}{hint}")
     for f in fields(cls):  # lists in the config, tuples in the (frozen) spec
         if isinstance(f.default, tuple) and f.name in node:
@@ -245,7 +248,7 @@ def resolve_dist(dist: DistSpec, trainer: TrainerSpec, launch: Launch) -> DistSp
     tensor_parallel (a number; `auto` from the batch cap)."""
     under_torchrun = launch.torchrun_procs is not None
     number("dist.timeout_s", dist.timeout_s, 0, 86_400, low_open=True)
-    one_of("dist.backend", dist.backend, ("auto", "gloo", "nccl"))
+    one_of("dist.backend", dist.backend, get_args(Backend))
     one_of("dist.fuse_workers", dist.fuse_workers, (True, False, "auto"))
     integer("dist.max_restarts", dist.max_restarts, 0, 1000)
     one_of("dist.allow_oversubscribe", dist.allow_oversubscribe, (True, False))

@@ -43,7 +43,7 @@ from lbt.cost.memory import OPTIMIZER_SLOTS
 from lbt.cost.tensor_parallel import split_rows, tensor_parallel_options
 from lbt.data.base import DataShape
 from lbt.engine.build import data_shape
-from lbt.errors import ConfigError
+from lbt.errors import ConfigError, first_line
 from lbt.metrics.critical import run_optimizer
 from lbt.spec.result import RunResult
 from lbt.spec.targets import Target
@@ -327,7 +327,7 @@ def planned_parts(options: argparse.Namespace) -> dict:
 
 def usage_error(error: BaseException) -> int:
     """A mistake the user can fix: one line on stderr, exit code 2."""
-    message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    message = first_line(error)
     print(f"lbt: error: {message}", file=sys.stderr, flush=True)
     return 2
 

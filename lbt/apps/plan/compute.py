@@ -24,7 +24,7 @@ from lbt.cost.memory import OPTIMIZER_SLOTS, ModelMemory
 from lbt.cost.tensor_parallel import DenseSplit, dense_split
 from lbt.data.base import DataShape
 from lbt.engine.build import build_data, build_model, data_shape
-from lbt.errors import ConfigError
+from lbt.errors import ConfigError, first_line
 from lbt.parallel.fsdp import shard_units
 from lbt.spec.result import ResultError, RunResult, read_result
 from lbt.spec.targets import Target, locate, target_of
@@ -246,7 +246,7 @@ def train_samples(data: Target, shape: DataShape, run: RunResult | None = None) 
     try:
         splits = build_data(data)
     except Exception as error:  # your data's function may raise anything: say so in one line
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        reason = first_line(error)
         if run is not None and run.steps_per_epoch and run.global_batch:
             return run.steps_per_epoch * run.global_batch, (
                 f"the run's {run.steps_per_epoch:,} steps per epoch x global batch {run.global_batch:,}; "
