@@ -71,6 +71,19 @@ class LoopSettings:
     stop_at_val: tuple[str, float] | None = None  # (acc | loss, target): end at the evaluation that reaches it
 
 
+@dataclass
+class RunControl:
+    """Why the loop ends before its budget, decided while it runs; the result records it once the run ends."""
+
+    stop_asked: bool = False  # a signal or stop file, seen by every process together at a log step
+    at_target: bool = False  # the last evaluation reached trainer.stop_at_val_*
+    why_diverged: str = ""  # not empty: the run diverged, and why
+
+    @property
+    def diverged(self) -> bool:
+        return bool(self.why_diverged)
+
+
 def evaluation_steps(budget: Budget, evals: int) -> frozenset[int]:
     """Steps (counted as done) after which to evaluate: every epoch's end, and `evals` points
     log-spaced in samples seen from the first step to the end, so steps-to-target is resolved at
@@ -111,8 +124,8 @@ class Trainer:
         has_val = parts.data.val is not None
         self.eval_split, self.eval_set = ("val", parts.data.val) if has_val else ("test", parts.data.test)
         self.eval_steps = evaluation_steps(self.budget, settings.evals)
-        self.state, self.result = LoopState(), RunResult(eval_split=self.eval_split)
-        self.on_step, self.snapshot, self.diverge_above, self.why_diverged = None, None, math.inf, ""
+        self.state, self.control, self.result = LoopState(), RunControl(), RunResult(eval_split=self.eval_split)
+        self.on_step, self.snapshot, self.diverge_above = None, None, math.inf
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -136,19 +149,20 @@ class Trainer:
             self.result.train_seconds += time.perf_counter() - epoch_start - (self.result.eval_seconds - evaluating)
             # A stop asked for at an epoch's last step waits for its evaluation; at the run's last, for its end.
             # An epoch left at a target (an evaluation inside it reached it) is not evaluated again.
-            whole = self.state.step_in_epoch >= self.budget.steps[self.state.epoch]
-            if (whole or not (self.result.stopped or self.result.ended_at_target)) and not self.end_epoch(train_loss):
+            control, whole = self.control, self.state.step_in_epoch >= self.budget.steps[self.state.epoch]
+            if (whole or not (control.stop_asked or control.at_target)) and not self.end_epoch(train_loss):
                 break
-            if self.result.ended_at_target:
+            if control.at_target:
                 self.say(target_line(self.settings.stop_at_val, self.state))
                 break
-            if self.result.stopped and self.state.step < self.budget.total_steps:
+            if control.stop_asked and self.state.step < self.budget.total_steps:
                 self.save_checkpoint()
                 s = self.state
                 self.say(f"stopped at step {s.step} (epoch {s.epoch + 1}, step {s.step_in_epoch} of it); "
                          "checkpoint saved: continue with trainer.resume=auto in the same run folder")
+                self.result.stopped = True
                 return self.result
-            self.result.stopped = False
+            control.stop_asked = False  # asked at the run's last step: the run ends as it would have
         self.finish(started)
         return self.result
 
@@ -181,7 +195,8 @@ class Trainer:
             self.window.add(loss)
             leave = log_now and self.log_window(layout, lr, correct / labels.numel(), bar, steps)
             if s.step in self.eval_steps and s.step_in_epoch < steps:  # an epoch's end evaluates in end_epoch
-                leave = leave or not math.isfinite(self.validate(layout).loss) or self.result.ended_at_target
+                point = self.validate(layout)
+                leave = leave or not math.isfinite(point.loss) or self.control.at_target
             if self.snapshot is not None and s.samples_seen in self.settings.snapshot_samples:
                 self.snapshot()
             if leave:
@@ -222,17 +237,17 @@ class Trainer:
             self.diverge(f"the train loss at step {s.step} is {window.mean_loss:.4g} (the first step's: "
                          f"{s.initial_loss:.4g})")
             return True
-        self.result.stopped = window.stop
+        self.control.stop_asked = window.stop
         return window.stop and s.step_in_epoch < steps
 
     def end_epoch(self, train_loss: float) -> bool:
         """Evaluate, log and maybe checkpoint after an epoch; False when the run diverged."""
-        s, result = self.state, self.result
-        if not math.isfinite(train_loss) and not result.diverged:
+        s, control, split = self.state, self.control, self.eval_split
+        if not math.isfinite(train_loss) and not control.diverged:
             self.diverge(f"the epoch's train loss is {train_loss}")
-        point, split = (None if result.diverged else self.validate(self.budget.layouts[s.epoch])), self.eval_split
-        if point is None or result.diverged:
-            self.say(f"epoch {s.epoch + 1}: {self.why_diverged}; the run diverged, stopping early")
+        point = None if control.diverged else self.validate(self.budget.layouts[s.epoch])
+        if point is None or control.diverged:
+            self.say(f"epoch {s.epoch + 1}: {control.why_diverged}; the run diverged, stopping early")
             return False
         self.say(f"epoch {s.epoch + 1}/{len(self.budget.layouts)} step {s.step} train_loss={train_loss:.4f} "
                  f"{split}_loss={point.loss:.4f} {split}_acc={point.acc:.4f}")
@@ -257,7 +272,7 @@ class Trainer:
         result.history.append(point)
         if not math.isfinite(point.loss):
             self.diverge(f"the {split} loss at step {s.step} is {point.loss}")
-        result.ended_at_target = reached(self.settings.stop_at_val, point)
+        self.control.at_target = reached(self.settings.stop_at_val, point)
         self.log.scalars({f"{split}/loss": point.loss, f"{split}/acc": point.acc}, s.step, s.samples_seen)
         for technique in self.techniques:
             technique.after_eval(point)
@@ -270,9 +285,10 @@ class Trainer:
         self.averaged.keep()  # the test split and the saved model score schedule-free's averaged weights
         if self.eval_split == "test":
             result.test_loss, result.test_acc = result.final_loss, result.final_acc
-        elif self.data.test is not None and not result.diverged:
+        elif self.data.test is not None and not self.control.diverged:
             result.test_loss, result.test_acc = self.evaluate(self.data.test)
             self.log.scalars({"test/loss": result.test_loss, "test/acc": result.test_acc}, s.step, s.samples_seen)
+        result.diverged, result.ended_at_target = self.control.diverged, self.control.at_target
         add_totals(result, s, time.perf_counter() - started)
         result.technique_metrics = {**self.precision.metrics(), **self.technique_metrics()}
         result.technique_curves = {k: v for t in self.techniques for k, v in t.curves().items()}
@@ -285,7 +301,7 @@ class Trainer:
         return write_settings(self.optimizer, optimizer_settings(self.state.samples_seen, self.schedule, batch))
 
     def diverge(self, why: str) -> None:
-        self.result.diverged, self.why_diverged = True, why
+        self.control.why_diverged = why
 
     def technique_metrics(self) -> dict[str, float]:
         return {key: value for t in self.techniques for key, value in t.metrics().items()}
