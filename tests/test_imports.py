@@ -1,6 +1,6 @@
 """lbt's imports only go down its layers, and nothing imports in a circle.
 
-    0  lbt.errors, lbt.paths, lbt.rng                       plain helpers every layer uses
+    0  lbt.errors, lbt.paths, lbt.rng, lbt.stop             plain helpers every layer uses (stop: signals)
     1  lbt.spec                                             the typed spec, batching, LR, result.json
     2  lbt.optim, data, models, nn, metrics, parallel, cost  building blocks (may use each other, not in a circle)
     3  lbt.techniques                                       plug-ins
@@ -20,7 +20,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lbt"
 LAYERS = {
-    "lbt.errors": 0, "lbt.paths": 0, "lbt.rng": 0, "lbt": 0,
+    "lbt.errors": 0, "lbt.paths": 0, "lbt.rng": 0, "lbt.stop": 0, "lbt": 0,
     "lbt.spec": 1,
     "lbt.optim": 2, "lbt.data": 2, "lbt.models": 2, "lbt.nn": 2, "lbt.metrics": 2, "lbt.parallel": 2, "lbt.cost": 2,
     "lbt.techniques": 3,

@@ -14,7 +14,7 @@ import pytest
 from conftest import FAST, final_params, relative_diff
 
 from lbt.parallel.launcher import _cause, launch_local
-from lbt.parallel.stop import forget_stop
+from lbt.stop import forget_stop
 
 RUN = FAST + ["model=mlp", "data.num_train=640", "trainer.epochs=2", "trainer.global_batch=64"]
 
@@ -126,7 +126,7 @@ def test_workers_get_the_launchers_environment_and_output_as_they_are_at_each_la
 
 
 def _wait_for_a_stop(rank: int, store_port: int, folder: str) -> None:
-    from lbt.parallel.stop import stop_asked
+    from lbt.stop import stop_asked
 
     deadline = time.monotonic() + 60
     while stop_asked() is None:

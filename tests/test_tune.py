@@ -164,7 +164,7 @@ def test_a_stop_between_the_tunes_last_look_and_the_next_is_not_lost(tmp_path, c
     assert "tune: stopped; run the same command again to continue" in capsys.readouterr().out
     assert trials_in(folder) == {"recipe=baseline dist.world_size=1": [(0, state)]}
     assert signal.getsignal(signal.SIGTERM) == before  # the handlers are restored, and no stop is left over
-    from lbt.parallel.stop import stop_asked
+    from lbt.stop import stop_asked
 
     assert stop_asked() is None
 
@@ -178,7 +178,7 @@ def test_a_second_stop_kills_the_helpers_that_do_not_stop(monkeypatch, capsys):
     import time
 
     from lbt.apps.tune import workers
-    from lbt.parallel.stop import ask_stop, forget_stop
+    from lbt.stop import ask_stop, forget_stop
 
     hung = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
                              "signal.SIG_IGN); print('ready', flush=True); time.sleep(120)"], stdout=subprocess.PIPE)

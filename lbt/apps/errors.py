@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping, NoReturn
 
-from lbt.parallel.stop import ask_stop, keep_stop, stop_asked
+from lbt.stop import handling, keep_stop, note_stop, stop_asked
 
 
 class Stopped(BaseException):
@@ -26,19 +26,14 @@ class Stopped(BaseException):
 @contextmanager
 def stop_between_runs() -> Iterator[None]:
     """SIGTERM and SIGINT between the runs of a tune or probe are recorded as a run records them
-    (lbt/parallel/stop.py), and the command stops at its next safe point (`raise_if_stopped`); a run takes
+    (lbt/stop.py), and the command stops at its next safe point (`raise_if_stopped`); a run takes
     both signals over while it trains, and stops with a checkpoint. Raised from the handler instead, the
     stop landed anywhere: between a trial's claim and its `try` (left running), or inside OmegaConf, which
     re-raised it with its message for the signal number. Python's default SIGTERM ended the command at
     once, its helper workers left running."""
     with keep_stop():  # a stop asked just before a run starts stops that run, not forgotten by it
-        previous = {sig: signal.signal(sig, lambda signum, frame: ask_stop(signum)) for sig in (signal.SIGTERM,
-                                                                                                signal.SIGINT)}
-        try:
+        with handling(note_stop):
             yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
 
 
 def raise_if_stopped() -> None:

@@ -25,9 +25,9 @@ from lbt.engine import make_spec
 from lbt.errors import ConfigError
 from lbt.metrics.text_log import CONSOLE
 from lbt.parallel.process_group import pick_device
-from lbt.parallel.stop import STOP_FILE, ask_stop, forget_stop, stop_asked
 from lbt.paths import folder_lock
 from lbt.spec.run import RunSpec
+from lbt.stop import STOP_FILE, forget_stop, handling, note_stop, stop_asked
 
 STUDY_HELP = """usage: lbt study [overrides]
 
@@ -207,7 +207,7 @@ def launcher_name(launcher: dict) -> tuple[str, int]:
 
 @contextmanager
 def study_signals(sweep_dir: str, verbose: bool) -> Iterator[None]:
-    """While the study runs: SIGINT/SIGTERM ask every job to stop (lbt/parallel/stop.py) instead of killing the
+    """While the study runs: SIGINT/SIGTERM ask every job to stop (lbt/stop.py) instead of killing the
     study; its jobs know their study and, unless -v, keep their output to their train.log."""
     folder = Path(sweep_dir).resolve()
     stop = folder / ".stop"
@@ -218,13 +218,10 @@ def study_signals(sweep_dir: str, verbose: bool) -> Iterator[None]:
         env[CONSOLE] = "log"
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
-    signals = (signal.SIGINT, signal.SIGTERM)
-    previous = {sig: signal.signal(sig, lambda signum, frame: ask_stop(signum)) for sig in signals}
     try:
-        yield
+        with handling(note_stop):
+            yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)

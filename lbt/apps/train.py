@@ -34,9 +34,9 @@ from lbt.engine.worker import check_run_folder
 from lbt.errors import ConfigError, naming, place_problem
 from lbt.parallel import process_group as pg
 from lbt.parallel.launcher import WorkerDied
-from lbt.parallel.stop import SWEEP_PID, end_with_sweep, stop_asked, stop_kept, stopped_by
 from lbt.spec.batching import DEFAULT_PER_WORKER_BATCH
 from lbt.spec.result import ResultError, RunResult, read_result, write_result
+from lbt.stop import SWEEP_PID, end_with_sweep, stop_asked, stop_kept, stopped_by
 
 # A sweep's jobs are each composed and checked before it starts, up to this many; beyond, each swept value
 # is checked once (with the other sweeps at their first value), which still catches a mistyped name.
@@ -259,7 +259,7 @@ def hydra_main(cfg: DictConfig) -> None:
     if sweeping:
         end_with_sweep()  # a launcher's worker process dies with the sweep's, however it dies
     if study is not None and os.environ.get(STUDY_PID) != str(os.getpid()):
-        # A launcher's worker process: Ctrl-C reaches the study, which tells its jobs (lbt/parallel/stop.py);
+        # A launcher's worker process: Ctrl-C reaches the study, which tells its jobs (lbt/stop.py);
         # a worker killed by it between jobs would take the launcher, and the running jobs, down with it.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)

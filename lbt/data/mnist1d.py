@@ -14,8 +14,8 @@ import torch
 
 from lbt.data.base import DataShape, DataSplits, InMemoryDataset, available_memory, split_validation, train_size
 from lbt.errors import ConfigError
-from lbt.parallel.stop import stoppable
 from lbt.paths import atomic_write, waiting_lock
+from lbt.stop import stoppable
 
 # The generator's peak memory per sample: 3.8 KB measured (tracemalloc, 20,000 samples), doubled for what
 # it does not trace. It refuses a data.num_samples beyond memory at once, not after minutes of generating.

@@ -61,6 +61,19 @@ class LoopState:
     high_windows: int = 0  # log windows in a row whose loss exceeded that multiple
 
 
+@dataclass
+class RunControl:
+    """Why the loop ends before its budget, decided while it runs; the result records it once the run ends."""
+
+    stop_asked: bool = False  # a signal or stop file, seen by every process together at a log step
+    at_target: bool = False  # the last evaluation reached trainer.stop_at_val_*
+    why_diverged: str = ""  # not empty: the run diverged, and why
+
+    @property
+    def diverged(self) -> bool:
+        return bool(self.why_diverged)
+
+
 def wrap_ddp(model: nn.Module) -> DistributedDataParallel:
     # Buffers stay per process during training (no broadcast from rank 0 at each
     # forward) and are averaged at evaluation; newer torch names this forward_sync_buffers.

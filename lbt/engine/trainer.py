@@ -37,18 +37,18 @@ from lbt.engine.checkpoint import (
 )
 from lbt.engine.evaluate import AveragedWeights, evaluate
 from lbt.engine.precision import Precision, memory_format
-from lbt.engine.step import LoopState, StepRunner
+from lbt.engine.step import LoopState, RunControl, StepRunner
 from lbt.metrics.tensorboard import RunLogger
 from lbt.metrics.text_log import say_once
 from lbt.metrics.timing import StepTimer
 from lbt.metrics.window import TrainWindow, diverging
 from lbt.parallel.process_group import DistContext, average_buffers
-from lbt.parallel.stop import stop_asked
 from lbt.rng import rng_state, set_rng_state
 from lbt.spec.batching import BatchLayout, Budget
 from lbt.spec.lr import optimizer_settings, peak
 from lbt.spec.objective import ACC, LOSS, metric_named
 from lbt.spec.result import EvalPoint, RunResult
+from lbt.stop import stop_asked
 
 LR_LIMIT = float(torch.finfo(torch.float32).max)  # an LR torch can still turn into a float32 step
 
@@ -69,19 +69,6 @@ class LoopSettings:
     diverge_factor: float | None = 10.0  # a train loss above this x the first step's ... (None: only non-finite)
     diverge_log_steps: int = 3  # ... for this many log steps in a row ends the run as diverged
     stop_at_val: tuple[str, float] | None = None  # (acc | loss, target): end at the evaluation that reaches it
-
-
-@dataclass
-class RunControl:
-    """Why the loop ends before its budget, decided while it runs; the result records it once the run ends."""
-
-    stop_asked: bool = False  # a signal or stop file, seen by every process together at a log step
-    at_target: bool = False  # the last evaluation reached trainer.stop_at_val_*
-    why_diverged: str = ""  # not empty: the run diverged, and why
-
-    @property
-    def diverged(self) -> bool:
-        return bool(self.why_diverged)
 
 
 def evaluation_steps(budget: Budget, evals: int) -> frozenset[int]:
@@ -141,23 +128,22 @@ class Trainer:
     # -- the loop -------------------------------------------------------------
     def fit(self) -> RunResult:
         """Epochs until the budget is spent, the loss diverges or a signal asks to stop."""
-        started = time.perf_counter()
-        while self.state.step < self.budget.total_steps:
+        started, s, control = time.perf_counter(), self.state, self.control
+        while s.step < self.budget.total_steps:
             epoch_start, evaluating = time.perf_counter(), self.result.eval_seconds
             train_loss = self.result.final_train_loss = self.train_epoch()
             # Training time only: the evaluations inside the epoch count in eval_seconds.
             self.result.train_seconds += time.perf_counter() - epoch_start - (self.result.eval_seconds - evaluating)
             # A stop asked for at an epoch's last step waits for its evaluation; at the run's last, for its end.
             # An epoch left at a target (an evaluation inside it reached it) is not evaluated again.
-            control, whole = self.control, self.state.step_in_epoch >= self.budget.steps[self.state.epoch]
+            whole = s.step_in_epoch >= self.budget.steps[s.epoch]
             if (whole or not (control.stop_asked or control.at_target)) and not self.end_epoch(train_loss):
                 break
             if control.at_target:
-                self.say(target_line(self.settings.stop_at_val, self.state))
+                self.say(target_line(self.settings.stop_at_val, s))
                 break
-            if control.stop_asked and self.state.step < self.budget.total_steps:
+            if control.stop_asked and s.step < self.budget.total_steps:
                 self.save_checkpoint()
-                s = self.state
                 self.say(f"stopped at step {s.step} (epoch {s.epoch + 1}, step {s.step_in_epoch} of it); "
                          "checkpoint saved: continue with trainer.resume=auto in the same run folder")
                 self.result.stopped = True
@@ -195,8 +181,8 @@ class Trainer:
             self.window.add(loss)
             leave = log_now and self.log_window(layout, lr, correct / labels.numel(), bar, steps)
             if s.step in self.eval_steps and s.step_in_epoch < steps:  # an epoch's end evaluates in end_epoch
-                point = self.validate(layout)
-                leave = leave or not math.isfinite(point.loss) or self.control.at_target
+                self.validate(layout)  # a loss that is not finite is a divergence
+                leave = leave or self.control.diverged or self.control.at_target
             if self.snapshot is not None and s.samples_seen in self.settings.snapshot_samples:
                 self.snapshot()
             if leave:
@@ -288,8 +274,7 @@ class Trainer:
         elif self.data.test is not None and not self.control.diverged:
             result.test_loss, result.test_acc = self.evaluate(self.data.test)
             self.log.scalars({"test/loss": result.test_loss, "test/acc": result.test_acc}, s.step, s.samples_seen)
-        result.diverged, result.ended_at_target = self.control.diverged, self.control.at_target
-        add_totals(result, s, time.perf_counter() - started)
+        add_totals(result, s, self.control, time.perf_counter() - started)
         result.technique_metrics = {**self.precision.metrics(), **self.technique_metrics()}
         result.technique_curves = {k: v for t in self.techniques for k, v in t.curves().items()}
         result.step_seconds = self.timer.run_means()
@@ -351,8 +336,9 @@ class Trainer:
         set_rng_state(own["rng"])
 
 
-def add_totals(result: RunResult, s: LoopState, wall_seconds: float) -> None:
-    """The run's totals at its end: best held-out values, steps, samples, communication and speed."""
+def add_totals(result: RunResult, s: LoopState, control: RunControl, wall_seconds: float) -> None:
+    """The run's totals at its end: how it ended, best held-out values, steps, samples, communication, speed."""
+    result.diverged, result.ended_at_target = control.diverged, control.at_target
     result.best_acc = ACC.best(p.acc for p in result.history)
     result.best_loss = LOSS.best(p.loss for p in result.history)
     result.allreduces, result.bytes_sent = s.allreduces, s.bytes_sent

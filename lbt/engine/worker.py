@@ -14,7 +14,6 @@ the Trainer (lbt/engine/trainer.py):
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import time
 import traceback
@@ -37,11 +36,11 @@ from lbt.metrics.tensorboard import RunLogger
 from lbt.metrics.text_log import say_once, text_log
 from lbt.parallel import launcher
 from lbt.parallel import process_group as pg
-from lbt.parallel.stop import StoppedWhileBuilding, ask_stop, forget_stop, stop_asked
 from lbt.parallel.tensor_parallel import device_mesh
 from lbt.paths import check_free, folder_lock
 from lbt.spec.result import ResultError, RunResult, read_result, write_result
 from lbt.spec.run import Launch, RunSpec, build_spec, identity_differences, run_identity
+from lbt.stop import StoppedWhileBuilding, forget_stop, handling, note_stop, stop_asked
 from lbt.techniques.base import Technique
 
 
@@ -409,16 +408,9 @@ def stop_agreed(ctx: pg.DistContext) -> bool:
 def stop_on_signals() -> Iterator[None]:
     """SIGTERM (how schedulers preempt) and SIGINT ask the run to checkpoint and stop cleanly, from its
     first moment: the loop reads the stop at its log steps, a run not started yet does not start."""
-    def request_stop(signum: int, frame: Any) -> None:
-        ask_stop(signum)  # the loop reads it (stop_asked); the study this run is a job of stops too
-
     forget_stop(run_start=True)  # an earlier run in this process was stopped, not this one
-    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
+    with handling(note_stop):  # the loop reads it (stop_asked); the study this run is a job of stops too
         yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _agree_on_run_dir(run_dir: str) -> str:

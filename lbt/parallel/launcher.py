@@ -30,10 +30,9 @@ import torch.multiprocessing as mp
 
 from lbt.errors import LASTING_ERRNOS, ConfigError, os_error_of
 from lbt.parallel.process_group import HOST
-from lbt.parallel.stop import ask_stop, job_stop_file
 from lbt.paths import atomic_write
+from lbt.stop import STOP_SIGNALS, ask_stop, handling, job_stop_file, note_stop
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 ERRORS = "LBT_WORKER_ERRORS"  # the folder a spawned worker reports its failure into (set by launch_local)
 # Set to 1 (the test suite does), the core and memory check passes, as dist.allow_oversubscribe=true does.
 OVERSUBSCRIBE = "LBT_ALLOW_OVERSUBSCRIBE"
@@ -184,7 +183,7 @@ def _entry(rank: int, fn: Callable, *args) -> None:
     while it imported torch waited, and did not kill it; from here a signal asks the stop (`ask_stop`: this
     process's, and the job's stop file) until the run installs its own handlers."""
     for sig in STOP_SIGNALS:
-        signal.signal(sig, lambda signum, frame: ask_stop(signum))
+        signal.signal(sig, note_stop)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     fn(rank, *args)
 
@@ -196,7 +195,7 @@ def launch_local(fn: Callable, args: tuple, procs: int) -> int | None:
     be "in use"). If any process fails, the rest are stopped within seconds and
     WorkerDied names the rank that caused it and why (see `_cause`). A SIGTERM
     or SIGINT to the parent is a stop for the whole job: written into the job's
-    stop file (lbt/parallel/stop.py), which the workers poll, so it reaches a worker
+    stop file (lbt/stop.py), which the workers poll, so it reaches a worker
     that is still starting too. The job's end is then the signal, never a failure.
     """
     store = dist.TCPStore(HOST, 0, procs + 1, is_master=True, wait_for_workers=False)
@@ -214,13 +213,9 @@ def launch_local(fn: Callable, args: tuple, procs: int) -> int | None:
                     if p.is_alive():
                         os.kill(p.pid, signal.SIGTERM)
 
-        previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
-        try:
+        with handling(forward):
             processes += _start(fn, (store.port, *args), procs, errors)
             failed = _watch(processes)
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
         try:
             if failed:
                 _stop_all(processes, failed, procs, errors)

@@ -45,10 +45,10 @@ from lbt.engine.build import build_data
 from lbt.engine.checkpoint import snapshot_problem
 from lbt.errors import ConfigError
 from lbt.metrics.text_log import CONSOLE
-from lbt.parallel.stop import job_stop_file
 from lbt.paths import atomic_write, folder_lock
 from lbt.spec.result import ResultError, read_result
 from lbt.spec.run import RunSpec, identity_differences, result_identity
+from lbt.stop import job_stop_file
 
 PROBE_HELP = """usage: lbt probe [overrides] [probe.KEY=VALUE ...]
 
@@ -137,7 +137,7 @@ def run_probe(folder: Path, spec: RunSpec, plan: ProbePlan, settings: ProbeSetti
 def branches_stop_with_the_probe(folder: Path) -> Iterator[None]:
     """A stop asked of the probe alone (`kill PID`; Ctrl-C reaches every process of the terminal) reaches the
     branches a launcher runs in other processes (hydra/launcher=local_parallel) through a stop file they poll
-    (lbt/parallel/stop.py), so they stop at their next step rather than train to the end of their round."""
+    (lbt/stop.py), so they stop at their next step rather than train to the end of their round."""
     stop = folder.resolve() / ".stop"  # the branches' processes may have another working directory
     stop.unlink(missing_ok=True)  # an earlier probe's, told to stop
     try:

@@ -22,10 +22,10 @@ from lbt.apps.tune.trials import (
 )
 from lbt.errors import ConfigError
 from lbt.metrics.spread import mean_std
-from lbt.parallel.stop import stopped_by
 from lbt.paths import atomic_write
 from lbt.spec.objective import Metric
 from lbt.spec.result import RunResult, read_result
+from lbt.stop import stopped_by
 
 KEY = "finals_key"  # in cells/<cell>.json: the finals_key its runs were trained for
 

@@ -23,9 +23,9 @@ from lbt.apps.tune.storage import TuneStorage, claim_lock, fail_stale, heartbeat
 from lbt.engine import make_spec, run
 from lbt.errors import ConfigError
 from lbt.metrics.critical import crossing_step
-from lbt.parallel.stop import stopped_by
 from lbt.spec.objective import ACC, Metric
 from lbt.spec.result import EvalPoint, RunResult
+from lbt.stop import stopped_by
 from lbt.techniques.base import Technique
 
 SLOT = "slot"  # a trial's user attribute: which of the cell's tune.trials slots it fills

@@ -30,7 +30,7 @@ from lbt.apps.tune.grid import TuneGrid
 from lbt.apps.tune.report import summarize, write_tune_report
 from lbt.apps.tune.storage import TuneStorage, cell_lock, claim_lock
 from lbt.apps.tune.trials import TrialState, claim_trial, run_trial
-from lbt.parallel.stop import asked_again, stop_asked
+from lbt.stop import asked_again, stop_asked
 
 HELPER = "LBT_TUNE_HELPER"  # set in the extra processes of tune.workers=N: they leave the talking to the first
 HELPER_PATIENCE_S = 5.0  # how long helpers told to stop may take before the tune says it waits for them

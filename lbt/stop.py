@@ -11,6 +11,8 @@ job that would start after it appeared does not start (`stop_asked`).
 A process also remembers the stop it was asked for (`ask_stop`), without a stop file too: a run
 stopped before its first step stops as one stopped later, and the command that ran it exits with
 the signal's code (`stopped_by`).
+
+Every SIGINT/SIGTERM handler lbt installs for a while goes through `handling`, so each is put back.
 """
 
 from __future__ import annotations
@@ -19,14 +21,43 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 STOP_FILE = "LBT_STOP_FILE"
-_asked: list[int] = []  # the stop this process was asked for (its first signal), file or not
-_repeated: list[int] = []  # the signals asked after the first: a second Ctrl-C means "now" where waiting is long
-_kept: list[bool] = []  # a command of many runs keeps the stop across its runs' starts (keep_stop)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@dataclass
+class StopState:
+    """What this process was asked: a signal handler may run between any two bytecodes, so it only appends."""
+
+    asked: list[int] = field(default_factory=list)  # the stop asked (its first signal), file or not
+    repeated: list[int] = field(default_factory=list)  # signals after the first: a second Ctrl-C means "now"
+    kept: list[bool] = field(default_factory=list)  # a command of many runs keeps the stop (keep_stop)
+    watching: list[int] = field(default_factory=list)  # the sweep process end_with_sweep watches
+
+
+_state = StopState()
+
+
+@contextmanager
+def handling(handler: Callable[[int, Any], Any], signals: tuple[int, ...] = STOP_SIGNALS) -> Iterator[None]:
+    """`handler` for SIGTERM and SIGINT while the block runs, the previous handlers back after it."""
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, before in previous.items():
+            signal.signal(sig, before)
+
+
+def note_stop(signum: int, frame: Any = None) -> None:
+    """A handler that records the stop (`ask_stop`) for the next safe point to act on."""
+    ask_stop(signum)
 
 
 def stop_file() -> Path | None:
@@ -36,8 +67,8 @@ def stop_file() -> Path | None:
 
 def stop_asked() -> int | None:
     """The signal number a stop was asked with (of this process, or in the stop file), or None."""
-    if _asked:
-        return _asked[0]
+    if _state.asked:
+        return _state.asked[0]
     path = stop_file()
     if path is None or not path.is_file():
         return None
@@ -50,10 +81,10 @@ def stop_asked() -> int | None:
 def ask_stop(signum: int) -> bool:
     """Record a stop for this process and every job of its study; the first signal's number is kept.
     Whether the stop file holds it (False: no stop file, or it cannot be written: a full disk)."""
-    if not _asked:
-        _asked.append(signum)
+    if not _state.asked:
+        _state.asked.append(signum)
     else:
-        _repeated.append(signum)
+        _state.repeated.append(signum)
     path = stop_file()
     if path is None:
         return False
@@ -69,15 +100,15 @@ def forget_stop(run_start: bool = False) -> None:
     """A new run in this process starts unstopped (a test or notebook runs several in one process), unless a
     command of many runs keeps the stop for its next safe point (`keep_stop`): a stop asked after that
     command last looked, just before the run started, stops the run before its first step."""
-    if not (run_start and _kept):
-        _asked.clear()
-        _repeated.clear()
+    if not (run_start and _state.kept):
+        _state.asked.clear()
+        _state.repeated.clear()
 
 
 def asked_again() -> bool:
     """Whether this process was asked to stop a second time (a second Ctrl-C): what waits for others to stop
     cleanly stops waiting."""
-    return bool(_repeated)
+    return bool(_state.repeated)
 
 
 @contextmanager
@@ -85,17 +116,17 @@ def keep_stop() -> Iterator[None]:
     """While a tune or probe runs: a stop asked of this process outlives its runs' starts, and none from
     before it (an earlier command in the same process) counts."""
     forget_stop()
-    _kept.append(True)
+    _state.kept.append(True)
     try:
         yield
     finally:
-        _kept.pop()
+        _state.kept.pop()
         forget_stop()
 
 
 def stop_kept() -> bool:
     """Whether a command of many runs (a tune, a probe) is running this one: it says how to continue."""
-    return bool(_kept)
+    return bool(_state.kept)
 
 
 def stopped_by() -> int:
@@ -136,18 +167,13 @@ def stoppable() -> Iterator[None]:
         ask_stop(signum)
         raise StoppedWhileBuilding(signum)
 
-    previous = {sig: signal.signal(sig, stop_now) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
+    with handling(stop_now):
         if stop_asked() is not None:
             raise StoppedWhileBuilding(stop_asked())
         yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 SWEEP_PID = "LBT_SWEEP_PID"  # the process that runs a sweep's launcher (a study, a probe, `lbt train -m`)
-_watching: list[int] = []
 
 
 def end_with_sweep() -> None:
@@ -155,10 +181,10 @@ def end_with_sweep() -> None:
     the sweep is gone. `kill -9` of a study or probe left its workers training on, orphaned, and they ignore
     SIGTERM (the study tells its jobs to stop through the stop file). A daemon thread looks every second."""
     owner = os.environ.get(SWEEP_PID)
-    if not owner or owner == str(os.getpid()) or _watching:
+    if not owner or owner == str(os.getpid()) or _state.watching:
         return
     parent = os.getppid()
-    _watching.append(parent)
+    _state.watching.append(parent)
 
     def watch() -> None:
         while True:
