@@ -158,3 +158,23 @@ def test_a_held_batch_better_than_the_base_is_said_better_and_gpus_in_the_singul
     gpus = other / "accuracy_vs_gpus.png"  # this report's figure, or none: never the earlier one
     assert ("accuracy_vs_gpus.png" in summary["files"]) == gpus.exists()
     assert not gpus.exists() or gpus.read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize("lars_64, baseline_64, says", [
+    (0.85, 0.90, "the next batch tried, 4,096, was 8 points worse (90.00%)"),  # baseline's own, not LARS's 85%
+    (0.97, None, "no larger batch was tried"),  # baseline stopped at 1,024: LARS's 4,096 is not its next batch
+])
+def test_the_next_batch_tried_is_the_held_recipes_own(tmp_path, lars_64, baseline_64, says):
+    """`lbt report DIR --tolerance 0.5` on a two-recipe study: the lead sentence brackets the critical batch with
+    the next batch the held recipe tried and that recipe's value there, never another recipe's."""
+    accs = {("baseline", 1): 0.98, ("baseline", 16): 0.979, ("lars", 1): 0.98, ("lars", 16): 0.9,
+            ("lars", 64): lars_64}
+    if baseline_64 is not None:
+        accs["baseline", 64] = baseline_64
+    for n, ((recipe, world_size), acc) in enumerate(accs.items()):
+        job(tmp_path / str(n), recipe, world_size, acc, b_simple=100.0, optimizer=SGD)
+    summary = write_report(tmp_path, tolerance=0.5)
+    lead = (tmp_path / "report.md").read_text().splitlines()[2]
+    assert "**Critical batch: 1,024** (global batch, baseline;" in lead and says in lead, lead
+    assert "85.00" not in lead and "97.00" not in lead
+    assert summary["critical_batch"]["failed"] == (4096 if baseline_64 else None)

@@ -22,6 +22,7 @@ from typing import Any, List, Literal, Optional, Union
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf, open_dict
@@ -156,6 +157,17 @@ def check_keyword(key: str, node: Any) -> None:
     hint = f"did you mean {parent}.{close}?" if close else f"it takes: {', '.join(sorted(accepted))}"
     builder = node.get("optimizer_class") or node["_target_"]
     raise ConfigError(f"{key}: {builder} takes no argument {leaf}; {hint}")
+
+
+def sweep_grid(lines: list[str] | tuple[str, ...], where: str = "") -> list[list[str]]:
+    """The jobs Hydra's basic sweeper makes of these overrides, in its order, each as `key=value` overrides: the
+    one sweep expander of lbt (a study's grids, `lbt train -m`'s check, a tune's cells), so each is Hydra's."""
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(lines))
+    except Exception as error:
+        raise ConfigError(f"{where}{one_line(error)}") from None
+    (batch,) = BasicSweeper.split_arguments(parsed, None)
+    return [list(job) for job in batch]
 
 
 def sweep_settings(overrides: list[str] | tuple[str, ...] = (), config_name: str = "config") -> dict[str, Any]:

@@ -16,10 +16,10 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
+from lbt.apps.compose import sweep_grid
 from lbt.apps.estimate import duration
 from lbt.errors import ConfigError
 from lbt.paths import atomic_write
@@ -45,10 +45,10 @@ class StudyRecord:
 def grid_jobs(params: dict[str, str], overrides: list[str], prefix: str = "") -> list[StudyJob]:
     """The jobs Hydra's basic sweeper makes of a config's `hydra.sweeper.params` and the command's overrides,
     numbered as it numbers them (job folder `${hydra.job.num}`, under `prefix`)."""
-    parsed = OverridesParser.create().parse_overrides(
-        [f"{k}={v}" for k, v in params.items()] + [o for o in overrides if not o.startswith("hydra.")])
-    (batch,) = BasicSweeper.split_arguments(parsed, None)
+    lines = [f"{k}={v}" for k, v in params.items()] + [o for o in overrides if not o.startswith("hydra.")]
+    batch = sweep_grid(lines)
     if not batch:
+        parsed = OverridesParser.create().parse_overrides(lines)
         empty = next((o.input_line for o in parsed if o.is_sweep_override() and not list(o.sweep_string_iterator())),
                      "the grid")
         raise ConfigError(f"{empty} sweeps no values: the study would run no job")

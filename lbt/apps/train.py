@@ -8,35 +8,28 @@
 from __future__ import annotations
 
 import argparse
-import itertools
 import math
 import os
-import signal
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import hydra
-from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from lbt.apps.compose import Composed, compose, conf_dir, one_line, register_schemas
-from lbt.apps.errors import Stopped, continue_with, end_on, fail, stopped
-from lbt.apps.study_folder import STUDY_PID, job_line, study_of_job
-from lbt.engine import make_spec, run
+from lbt.apps.compose import Composed, compose, conf_dir, one_line, register_schemas, sweep_grid
+from lbt.apps.errors import fail
+from lbt.apps.job import HydraJob, finished_here, record_failure, say_job
+from lbt.engine import make_spec
 from lbt.engine.build import check_targets
 from lbt.engine.worker import check_run_folder
-from lbt.errors import ConfigError, naming, place_problem
+from lbt.errors import ConfigError, naming
 from lbt.parallel import process_group as pg
-from lbt.parallel.launcher import WorkerDied
-from lbt.spec.batching import DEFAULT_PER_WORKER_BATCH
-from lbt.spec.result import ResultError, RunResult, read_result, write_result
-from lbt.stop import SWEEP_PID, end_with_sweep, stop_asked, stop_kept, stopped_by
+from lbt.spec.result import ResultError, read_result
+from lbt.stop import SWEEP_PID
 
 # A sweep's jobs are each composed and checked before it starts, up to this many; beyond, each swept value
 # is checked once (with the other sweeps at their first value), which still catches a mistyped name.
@@ -72,16 +65,17 @@ def precheck(overrides: list[str], config_dir: str | None = None, config_name: s
     if config_dir and not Path(config_dir).expanduser().is_dir():
         fail(f"--config-dir {config_dir}: no such folder")
     # Hydra's own settings (launcher, sweeper, run folder) are Hydra's to check.
-    jobs = sweep_jobs([o for o in parsed if not o.key_or_group.startswith("hydra")])
+    own = [o for o in parsed if not o.key_or_group.startswith("hydra")]
+    jobs, swept = checked_jobs(own), {o.get_key_element() for o in own if o.is_sweep_override()}
     empty = [o.input_line for o in parsed if o.is_sweep_override() and not list(o.sweep_string_iterator())]
     if empty:
         fail(f"{empty[0]} sweeps no values: the sweep would run no job")
     composed = None
     for index, job in enumerate(jobs):
         # A mistake of every job is reported plainly; one of a later job names that job.
-        label = " ".join(o for o, swept in job if swept) if index else ""
+        label = " ".join(o for o in job if o.split("=", 1)[0] in swept) if index else ""
         try:
-            composed = check_job([o for o, _ in job], config_dir, config_name, whole=len(jobs) == 1)
+            composed = check_job(job, config_dir, config_name, whole=len(jobs) == 1)
         except ConfigError as error:
             fail(f"job {label}: {error}" if label and not str(error).startswith(label.split()[0]) else str(error))
     folders = {o.key_or_group: o.value() for o in parsed if o.key_or_group in ("hydra.run.dir", "hydra.sweep.dir")}
@@ -95,18 +89,21 @@ def precheck(overrides: list[str], config_dir: str | None = None, config_name: s
         fail(str(error))
 
 
-def sweep_jobs(parsed: list) -> list[list[tuple[str, bool]]]:
-    """The jobs of a sweep as override lists, each override marked with whether it was swept."""
-    axes = []
-    for o in parsed:
-        if o.is_sweep_override():
-            axes.append([(f"{o.get_key_element()}={value}", True) for value in o.sweep_string_iterator()])
-        else:
-            axes.append([(o.input_line, False)])
-    if math.prod(len(axis) for axis in axes) <= MAX_CHECKED_JOBS:
-        return [list(job) for job in itertools.product(*axes)]
-    first = [axis[0] for axis in axes]
-    return [first] + [first[:i] + [value] + first[i + 1:] for i, axis in enumerate(axes) for value in axis[1:]]
+def checked_jobs(parsed: list) -> list[list[str]]:
+    """The jobs `precheck` composes: every job of a sweep of at most MAX_CHECKED_JOBS (as Hydra's sweeper makes
+    them), else the first job and each value of each swept key once, the others at their first value."""
+    lines = [str(o.input_line) for o in parsed]
+    sizes = [len(list(o.sweep_string_iterator())) if o.is_sweep_override() else 1 for o in parsed]
+    if max(sizes, default=1) == 1:
+        return [lines]  # one job: the overrides as given, as Hydra's run mode takes them
+    if math.prod(sizes) <= MAX_CHECKED_JOBS:
+        return sweep_grid(lines)
+    first = first_job(lines)
+    jobs = [first]
+    for i, size in enumerate(sizes):
+        if size > 1:
+            jobs += sweep_grid(first[:i] + [lines[i]] + first[i + 1:])[1:]
+    return jobs
 
 
 def check_job(overrides: list[str], config_dir: str | None, config_name: str, whole: bool = True) -> Composed:
@@ -223,6 +220,7 @@ def print_job_config(overrides: list[str], config_dir: str | None, config_name: 
 
 
 def first_job(overrides: list[str]) -> list[str]:
+    """The sweep's first job, each swept key at its first value, the rest as given."""
     parsed = OverridesParser.create().parse_overrides(overrides)
     return [f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" if o.is_sweep_override()
             else str(o.input_line) for o in parsed]
@@ -244,91 +242,17 @@ def check_sweep(sweep_dir: str) -> None:
 
 @hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> None:
-    hydra_cfg = HydraConfig.get()
-    output_dir = hydra_cfg.runtime.output_dir
-    recipe = hydra_cfg.runtime.choices.get("recipe")
-    # In a sweep, a failing job is recorded in its result.json and the sweep goes on.
-    sweeping = hydra_cfg.mode == RunMode.MULTIRUN
-    overrides = list(hydra_cfg.overrides.task)
-    container = OmegaConf.to_container(cfg, resolve=True)
-    assert isinstance(container, dict)
-    config = {str(k): v for k, v in container.items()}
-    study = study_of_job()
-    if sweeping and stop_asked() is not None:
-        return  # its study is stopping: this job does not start (the same command runs it later)
-    if sweeping:
-        end_with_sweep()  # a launcher's worker process dies with the sweep's, however it dies
-    if study is not None and os.environ.get(STUDY_PID) != str(os.getpid()):
-        # A launcher's worker process: Ctrl-C reaches the study, which tells its jobs (lbt/stop.py);
-        # a worker killed by it between jobs would take the launcher, and the running jobs, down with it.
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
-    started, earlier = time.perf_counter(), finished_here(output_dir)
-    try:
-        result = run(make_spec(config, recipe, overrides), output_dir)
-        if result.stopped and study is None and not sweeping:  # told to stop: 130/143, as at any moment
-            if stop_kept():  # a run inside a probe (keep_stop): that command says how to continue it
-                raise Stopped(stopped_by())
-            stopped(stopped_by(), continue_with(config, output_dir))
-        if result.stopped:  # no result.json: what the job is comes from its config
-            result = replace(failure_result({**config, "overrides": overrides}, recipe, ""), error=None, stopped=True)
-        if study is not None and not earlier:  # the study's header counts the jobs it keeps
-            say_job(study, result, time.perf_counter() - started, hydra_cfg)
+    """One job as Hydra starts it: trained, and its outcome recorded (lbt/apps/job.py)."""
+    job = HydraJob.current(cfg)
+    if not job.prepare():
         return
-    except (ConfigError, WorkerDied) as error:
-        if str(error) and study is None:
-            print(f"lbt: error: {error}", file=sys.stderr, flush=True)
-        if not sweeping:
-            sys.exit(2 if isinstance(error, ConfigError) or not str(error) else 1)
-        message = str(error) or "config error in a worker"
+    started, earlier = time.perf_counter(), finished_here(job.output_dir)
+    try:
+        result, recorded = job.train(), not earlier  # the study's header counts the jobs it keeps
     except Exception as error:  # a crash in one job of a sweep must not stop the others
-        problem = place_problem(error)
-        if problem is not None:  # a full disk or a read-only folder: every later job would fail the same way
-            end_on(*problem)
-        if not sweeping:
-            raise
-        if study is None:
-            print(f"lbt: job failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
-        message = f"{type(error).__name__}: {error}"
-    failure = failure_result({**config, "overrides": overrides}, recipe, message)
-    if record_failure(output_dir, failure) and study is not None:
-        say_job(study, failure, time.perf_counter() - started, hydra_cfg)
+        result = job.failed(error)
+        recorded = record_failure(job.output_dir, result)
+    if job.study is not None and recorded:
+        say_job(job.study, result, time.perf_counter() - started, job.hydra_cfg)
 
 
-def record_failure(output_dir: str, failure: RunResult) -> bool:
-    """A failed job's result.json, saying why; False where the folder holds another run's finished result,
-    which is never replaced by why this one could not run."""
-    if finished_here(output_dir):
-        print(f"lbt: error: {failure.error}", file=sys.stderr, flush=True)
-        return False
-    try:
-        write_result(output_dir, failure)
-    except OSError as error:
-        end_on(*(place_problem(error) or (f"cannot write {output_dir}/result.json: {one_line(error)}", 1)))
-    return True
-
-
-def finished_here(run_dir: str) -> bool:
-    """Whether the folder holds a run's finished (not failed) result.json."""
-    try:
-        return not read_result(run_dir).failed if (Path(run_dir) / "result.json").is_file() else False
-    except ResultError:
-        return True  # damaged, but someone's: kept
-
-
-def say_job(study: Path, result: RunResult, seconds: float, hydra_cfg: Any) -> None:
-    """A study's job ends with one line on the terminal (its whole log is in its train.log)."""
-    parallel = int(hydra_cfg.launcher.get("n_jobs") or 1) if "launcher" in hydra_cfg else 1
-    print(job_line(study, result, seconds, parallel), flush=True)
-
-
-def failure_result(config: dict[str, Any], recipe: str | None, message: str) -> RunResult:
-    """What a failed job of a sweep was (recipe, batches, seed, as far as its config says) and why it failed."""
-    trainer, world_size = config.get("trainer") or {}, (config.get("dist") or {}).get("world_size") or 1
-    per_worker = trainer.get("per_worker_batch")
-    if per_worker is None:
-        per_worker = trainer["global_batch"] // world_size if trainer.get("global_batch") else DEFAULT_PER_WORKER_BATCH
-    return RunResult(error=message, recipe=recipe or "custom", overrides=list(config.get("overrides") or []),
-                     world_size=world_size, per_worker_batch=per_worker,
-                     global_batch=trainer.get("global_batch") or per_worker * world_size, seed=trainer.get("seed"),
-                     config=config)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from lbt.apps.compose import compose, one_line
+from lbt.apps.compose import compose, one_line, sweep_grid
 from lbt.engine import make_spec
 from lbt.errors import ConfigError
 from lbt.spec.objective import Metric, metric_named
@@ -163,31 +162,27 @@ def tune_grid(args: list[str]) -> TuneGrid:
     rest = [o for o in parsed if o.key_or_group != "tune" and not o.key_or_group.startswith("tune.")]
     config = compose(head + [str(o.input_line) for o in rest if not o.is_sweep_override()], job_name="lbt_tune").config
     tune_node = config.get("tune") or {}
-    axes = dict(_sweep(parser, str(line), "tune.grid") for line in tune_node.get("grid") or [])
+    # The grid's lines, by key; a key the command line sets (swept or not) takes its line's place.
+    axes = {_key_of(parser, str(line), "tune.grid"): str(line) for line in tune_node.get("grid") or []}
     fixed = []
     for o in rest:
         key = o.get_key_element()
         if o.is_sweep_override() or key in axes:
-            axes[key] = _sweep(parser, str(o.input_line), "the command line")[1]
+            axes[key] = str(o.input_line)
         else:
             fixed.append(str(o.input_line))
     grid = TuneGrid(Settings.from_config(tune_node), head, fixed)
-    for values in itertools.product(*axes.values()):
-        grid.cells.append(check_cell(grid, [f"{k}={v}" for k, v in zip(axes, values)]))
+    for cell in sweep_grid(list(axes.values()), "the tune's grid: "):
+        grid.cells.append(check_cell(grid, cell))
     return grid
 
 
-def _sweep(parser: OverridesParser, line: str, where: str) -> tuple[str, list[str]]:
-    """`key=a,b` (or range(...), or one value) as (key, [values])."""
+def _key_of(parser: OverridesParser, line: str, where: str) -> str:
+    """A grid line's key (`dist.world_size` of `dist.world_size=1,16`); a line Hydra cannot read is one line."""
     try:
-        override = parser.parse_override(line)
-        if override.is_sweep_override():
-            values = list(override.sweep_string_iterator())
-        else:
-            values = [override.get_value_element_as_str()]
+        return parser.parse_override(line).get_key_element()
     except Exception as error:
         raise ConfigError(f"{where}: {line}: {one_line(error)}") from None
-    return override.get_key_element(), values
 
 
 def check_cell(grid: TuneGrid, axes: list[str]) -> Cell:
