@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from lbt.apps.plotting import batch_axis, figure, save_figure
+from lbt.apps.tables import table
 from lbt.apps.words import gpus
 from lbt.metrics.tensorboard import RunLogger
 from lbt.paths import atomic_write
@@ -122,24 +123,25 @@ def markdown(probe: dict[str, Any]) -> str:
              "samples, averaged over the checkpoints by each one's share of training; F: the final value against "
              f"the budget, from the cooldowns and the base run's end ({cooled}). A batch holds when F(E / r(B)) is "
              "within the tolerance of F(E) and none of its branches diverged; the interval is one doubling either "
-             "side, as far as the prediction has been from full sweeps (bench/critical.py).",
-             "", "| global batch | samples ratio r | effective samples E / r | predicted shortfall | holds |",
-             "|---:|---:|---:|---:|---|"]
+             "side, as far as the prediction has been from full sweeps (bench/critical.py).", ""]
+    rows = []
     for batch, p in probe["prediction"].items():
         shortfall = "diverged" if p["diverged"] else f"{p['shortfall']:.3g}"
         holds = not p["diverged"] and p["shortfall"] is not None and p["shortfall"] <= settings["tolerance"]
-        lines.append(f"| {int(batch):,} | {p['samples_ratio']:.3g} | {p['effective_samples']:,.0f} | {shortfall} | "
-                     f"{'yes' if holds else 'no'} |")
+        rows.append([f"{int(batch):,}", f"{p['samples_ratio']:.3g}", f"{p['effective_samples']:,.0f}", shortfall,
+                     "yes" if holds else "no"])
+    lines += table(["global batch", "samples ratio r", "effective samples E / r", "predicted shortfall", "holds"],
+                   "rrrrl", rows)
     lines += ["", "## Each checkpoint", "",
-              "![critical batch over training](critical_batch_over_training.png)", "",
-              "| samples seen | of budget | start val acc | noise floor | alone predicts | local held | B_noise fit | "
-              "B_simple (base run) |",
-              "|---:|---:|---:|---:|---:|---:|---:|---|"]
+              "![critical batch over training](critical_batch_over_training.png)", ""]
+    rows = []
     for p in probe["checkpoints"]:
         v, start = p["local_critical"], p["start"] or {}
         floor = "n/a" if p["noise_floor"] is None or not math.isfinite(p["noise_floor"]) else f"{p['noise_floor']:.3g}"
-        lines.append(f"| {p['samples']:,} | {p['fraction']:.1%} | {start.get('acc', math.nan):.4f} | {floor} | "
-                     f"{p['answer_alone']:,} | {v['held']:,} | {p['noise_scale']:,.0f} | {shown(p.get('b_simple'))} |")
+        rows.append([f"{p['samples']:,}", f"{p['fraction']:.1%}", f"{start.get('acc', math.nan):.4f}", floor,
+                     f"{p['answer_alone']:,}", f"{v['held']:,}", f"{p['noise_scale']:,.0f}", shown(p.get("b_simple"))])
+    lines += table(["samples seen", "of budget", "start val acc", "noise floor", "alone predicts", "local held",
+                    "B_noise fit", "B_simple (base run)"], "rrrrrrrl", rows)
     schedule = " -> ".join(f"{s['global_batch']:,} from {s['from_samples']:,}" for s in probe["batch_schedule"])
     low, high = answer["interval"]
     lines += ["", "![branches](branches.png)", "", "## Batch-size schedule", "",
@@ -156,9 +158,7 @@ def markdown(probe: dict[str, Any]) -> str:
 def confirm_lines(confirm: dict[str, Any] | None, metric: Metric) -> list[str]:
     if not confirm:
         return []
-    lines = ["## Confirmed by full runs", "", confirm["sentence"], "",
-             "| global batch | seeds' final values | mean | holds |", "|---:|---|---:|---|"]
-    for row in confirm["runs"]:
-        lines.append(f"| {row['global_batch']:,} | {', '.join(metric.show(v) for v in row['values'])} | "
-                     f"{metric.show(row['mean'])} | {'yes' if row['holds'] else 'no'} |")
-    return [*lines, ""]
+    rows = ([f"{row['global_batch']:,}", ", ".join(metric.show(v) for v in row["values"]), metric.show(row["mean"]),
+             "yes" if row["holds"] else "no"] for row in confirm["runs"])
+    return ["## Confirmed by full runs", "", confirm["sentence"], "",
+            *table(["global batch", "seeds' final values", "mean", "holds"], "rlrl", rows), ""]

@@ -17,6 +17,7 @@ from typing import Any
 from lbt.apps.plan.compute import compute_from_result, compute_from_step_ms
 from lbt.apps.report.jobs import Job, is_baseline
 from lbt.apps.report.rows import Row, char_level, shown, study_split
+from lbt.apps.tables import table
 from lbt.apps.words import gpus
 from lbt.cost.data_parallel import NETWORKS, Compute, scaling_rows
 from lbt.engine.build import data_shape
@@ -148,32 +149,32 @@ def recipe_table_lines(answer: dict[str, Any]) -> list[str]:
     unit, base = "%" if metric.suffix else "nats", shown(metric, ref[m], answer.get("bits_per_char"))
     lines = [f"Within **{within}** of {ref['recipe']} at the smallest global batch "
              f"({ref['global_batch']:,}: final {split} {m} {base}), "
-             f"judged on {split} (`lbt report DIR --tolerance {metric.unit.upper()}S` to change it):", "",
-             f"| recipe | largest global batch within | GPUs (world size) | final {split} {m}, {unit} (mean ± std, "
-             f"seeds) | test {m}, {unit} | next batch tried: {m} |", "|---|---:|---:|---:|---:|---|"]
+             f"judged on {split} (`lbt report DIR --tolerance {metric.unit.upper()}S` to change it):", ""]
+    header = ["recipe", "largest global batch within", "GPUs (world size)",
+              f"final {split} {m}, {unit} (mean ± std, seeds)", f"test {m}, {unit}", f"next batch tried: {m}"]
+    rows: list[list[str]] = []
     for r in answer["recipes"]:
         if r["global_batch"] is None:
-            lines.append(f"| {r['recipe']} | none | - | - | - | every batch tried is more than {within} worse |")
+            rows.append([r["recipe"], "none", "-", "-", "-", f"every batch tried is more than {within} worse"])
             continue
         spread = f" ± {show(r[f'{m}_std'])}" if r["seeds"] and r["seeds"] > 1 else ""
         following = (f"{r['next_batch']:,}: {shown(metric, r[f'next_{m}'])}"
                      if r["next_batch"] and r[f"next_{m}"] is not None
                      else "none larger tried" if r["global_batch"] == r["largest_batch_run"]
                      else f"{r['next_batch']:,}: diverged or failed")
-        lines.append(f"| {r['recipe']} | {r['global_batch']:,} | {r['world_size']} | {show(r[m])}{spread} "
-                     f"({r['seeds']}) | {show(r[f'test_{m}'])} | {following} |")
-    return lines
+        rows.append([r["recipe"], f"{r['global_batch']:,}", str(r["world_size"]),
+                     f"{show(r[m])}{spread} ({r['seeds']})", show(r[f"test_{m}"]), following])
+    return lines + table(header, "lrrrrl", rows)
 
 
 def time_to_accuracy_lines(tta: dict[str, Any]) -> list[str]:
     """Each GPU count within the tolerance, fastest first, and the fastest named."""
     lines = ["", f"Time to accuracy on {tta['network']} (steps to the target, measured, x lbt plan's step time "
                  f"at that world size; compute {tta['compute']}):", "",
-             "| recipe | GPUs | global batch | steps to target | step (ms) | time to target (s) |",
-             "|---|---:|---:|---:|---:|---:|"]
-    lines += [f"| {o['recipe']} | {o['world_size']} | {o['global_batch']:,} | {o['steps_to_target']:,.0f} | "
-              f"{1e3 * o['step_s']:.2f} | {o['seconds']:,.2f} |"
-              for o in sorted(tta["options"], key=lambda o: o["seconds"])]
+             *table(["recipe", "GPUs", "global batch", "steps to target", "step (ms)", "time to target (s)"],
+                    "lrrrrr", ([o["recipe"], o["world_size"], f"{o['global_batch']:,}", f"{o['steps_to_target']:,.0f}",
+                                f"{1e3 * o['step_s']:.2f}", f"{o['seconds']:,.2f}"]
+                               for o in sorted(tta["options"], key=lambda o: o["seconds"])))]
     best = tta["best"]
     lines += ["", f"**Fastest within the tolerance: {gpus(best['world_size'])} with {best['recipe']}** "
                   f"({best['seconds']:,.2f} s to the target)." if best else

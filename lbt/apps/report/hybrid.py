@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from lbt.apps.report.jobs import Job
 from lbt.apps.report.rows import Row
+from lbt.apps.tables import table
 from lbt.engine.build import build_model, data_shape
 from lbt.errors import ConfigError
 from lbt.parallel.tensor_parallel import dense_splits, why_not
@@ -108,16 +109,17 @@ def hybrid_lines(points: list[dict[str, Any]], split: str, metric: Metric, given
              "dist.max_global_batch=CAP`, lbt/parallel/tensor_parallel.py) instead of growing the batch. Tensor "
              "parallelism does not change the math, so a W-GPU hybrid scores what the data-parallel run at W/T "
              "workers scored; the last column says which points were run as DP x T and which follow from exactness. "
-             "Whether the extra GPUs pay in time: `lbt plan --tensor-parallel auto`.", "",
-             f"| recipe | GPUs | DP x T | global batch (cap) | final {split} {m}, hybrid | final {split} {m}, "
-             "data parallel only | hybrid point |", "|---|---:|---:|---:|---:|---:|---|"]
+             "Whether the extra GPUs pay in time: `lbt plan --tensor-parallel auto`.", ""]
+    rows = []
     for p in points:
-        where = (f"| {p['recipe']} | {p['gpus']} | {p['data_parallel']} x {p['tensor_parallel']} | "
-                 f"{p['global_batch']:,} ({p['cap']:,}) |")
+        where = [p["recipe"], p["gpus"], f"{p['data_parallel']} x {p['tensor_parallel']}",
+                 f"{p['global_batch']:,} ({p['cap']:,})"]
         if "impossible" in p:
-            lines.append(f"{where} - | - | not possible: {p['impossible']} |")
+            rows.append([*where, "-", "-", f"not possible: {p['impossible']}"])
             continue
         spread = f" ± {show(p[f'{m}_std'])}" if p["seeds"] > 1 else ""
         only = "not run" if p["data_parallel_only"] is None else f"{show(p['data_parallel_only'])}{metric.suffix}"
-        lines.append(f"{where} {show(p[m])}{metric.suffix}{spread} ({p['seeds']}) | {only} | {p['source']} |")
-    return lines
+        rows.append([*where, f"{show(p[m])}{metric.suffix}{spread} ({p['seeds']})", only, p["source"]])
+    header = ["recipe", "GPUs", "DP x T", "global batch (cap)", f"final {split} {m}, hybrid",
+              f"final {split} {m}, data parallel only", "hybrid point"]
+    return lines + table(header, "lrrrrrl", rows)

@@ -18,6 +18,7 @@ from lbt.apps.report.critical import B_SIMPLE_CAVEAT, FIT_CAVEAT
 from lbt.apps.report.hybrid import hybrid_lines
 from lbt.apps.report.rows import GNS_WINDOW, Row, char_level, shown, study_split
 from lbt.apps.report.trust import Trust
+from lbt.apps.tables import cell_text, table
 from lbt.metrics.critical import b_simple_undefined
 from lbt.spec.objective import ACC, Metric
 
@@ -80,18 +81,12 @@ def job_state_lines(trust: Trust) -> list[str]:
     for title, cells, last in (("Missing jobs", trust.missing, "overrides"), ("Failed jobs", trust.failed, "error")):
         if not cells:
             continue
-        lines += ["", f"## {title}", "", f"| job folder | recipe | world size | global batch | seed | {last} |",
-                  "|---|---|---:|---:|---:|---|"]
-        for c in cells:
-            detail = f"`{' '.join(c['swept'])}`" if last == "overrides" else cell_text(c["error"])
-            lines.append(f"| `{c['job_dir']}` | {c['recipe'] or '?'} | {fmt(c['world_size'], ',')} | "
-                         f"{fmt(c['global_batch'], ',')} | {fmt(c['seed'], 'd')} | {detail} |")
+        rows = ([f"`{c['job_dir']}`", c["recipe"] or "?", fmt(c["world_size"], ","), fmt(c["global_batch"], ","),
+                 fmt(c["seed"], "d"), f"`{' '.join(c['swept'])}`" if last == "overrides" else cell_text(c["error"])]
+                for c in cells)
+        lines += ["", f"## {title}", "",
+                  *table(["job folder", "recipe", "world size", "global batch", "seed", last], "llrrrl", rows)]
     return lines
-
-
-def cell_text(text: str | None) -> str:
-    """Free text in a table cell: one line, no column breaks."""
-    return " ".join(str(text or "").split()).replace("|", "\\|")
 
 
 def preamble_lines(split: str, target: float | None, metric: Metric, text: str | None = None) -> list[str]:
@@ -180,9 +175,8 @@ def recipe_table(rows: list[Row], split: str, metric: Metric, losses: bool, text
               + [f"gap ({metric.unit}s)", "steps", f"steps to target ({split} {metric.name})",
                  f"B_simple (last {100 * GNS_WINDOW:g}%)", "samples/s", "allreduces", "MB sent per worker"])
     return ["", f"## {rows[0].recipe}", "",
-            "| global batch | world size | seeds | " + " | ".join(header) + " | diverged |",
-            "|---:|---:|---:|" + "---:|" * len(header) + "---|",
-            *("| " + " | ".join(row_cells(r, split, metric, losses, text)) + " |" for r in rows)]
+            *table(["global batch", "world size", "seeds", *header, "diverged"], "rrr" + "r" * len(header) + "l",
+                   (row_cells(r, split, metric, losses, text) for r in rows))]
 
 
 def row_cells(r: Row, split: str, metric: Metric, losses: bool, text: str | None) -> list[str]:

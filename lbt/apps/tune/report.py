@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lbt.apps.plotting import batch_axis, figure, save_figure
+from lbt.apps.tables import line, table
 from lbt.apps.tune.grid import TuneGrid
 from lbt.apps.tune.trials import short
 from lbt.metrics.critical import CriticalFit, crossing_step, fit_steps_to_target
@@ -264,11 +265,10 @@ def markdown(summary: dict) -> str:
     lines += steps_lines(summary.get("steps_to_target") or {}, metric)
     cells, m = summary["cells"], metric.name
     for series in dict.fromkeys(c["series"] for c in cells):
-        lines += [f"## {series}", "",
-                  f"| global batch | world size | trials (pruned, diverged) | best trial: val {m} | tuned val {m} | "
-                  f"tuned test {m} | untuned val {m} | untuned test {m} | test gained by tuning ({metric.unit}s) | "
-                  "best values | best peak LR |",
-                  "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+        header = ["global batch", "world size", "trials (pruned, diverged)", f"best trial: val {m}", f"tuned val {m}",
+                  f"tuned test {m}", f"untuned val {m}", f"untuned test {m}",
+                  f"test gained by tuning ({metric.unit}s)", "best values", "best peak LR"]
+        lines += [f"## {series}", "", *table(header, "rrlrrrrrrlr", [])]
         lines += [cell_row(c, metric) for c in sorted((c for c in cells if c["series"] == series),
                                                        key=lambda c: c["global_batch"])]
         lines.append("")
@@ -328,16 +328,16 @@ def lr_fit_lines(fits: list[dict]) -> list[str]:
         "`optim.lr` x scaling(B / `schedule.base_batch`), the LR the run reaches), not of the tuned `optim.lr` "
         "(the base LR before scaling, whose exponent is shown beside it). A scaling rule claims k = 1 (linear), "
         "0.5 (sqrt) or 0 (none); a fitted k below the claim means the rule scales the LR too fast here.", "",
-        "| recipe | claims (schedule.scaling) | fitted k, peak LR | fitted k, optim.lr | batches | best peak LRs |",
-        "| --- | --- | ---: | ---: | --- | --- |",
     ]
+    rows = []
     for fit in fits:
         claim = ", ".join(f"{c:g}" for c in fit["claimed"]) + f" ({', '.join(fit['scalings'])})"
         fitted = number(fit["exponent"], ".2f") if fit["exponent"] is not None else f"n/a: {fit.get('note')}"
-        row = [fit["series"], claim, fitted, number(fit["base_exponent"], ".2f"),
-               ", ".join(f"{b:,}" for b in fit["batches"]), ", ".join(f"{v:.3g}" for v in fit["peak_lrs"])]
-        lines.append("| " + " | ".join(row) + " |")
-    return lines + ["", "![best peak LR vs global batch](best_lr_vs_batch.png)", ""]
+        rows.append([fit["series"], claim, fitted, number(fit["base_exponent"], ".2f"),
+                     ", ".join(f"{b:,}" for b in fit["batches"]), ", ".join(f"{v:.3g}" for v in fit["peak_lrs"])])
+    header = ["recipe", "claims (schedule.scaling)", "fitted k, peak LR", "fitted k, optim.lr", "batches",
+              "best peak LRs"]
+    return lines + table(header, "llrrll", rows) + ["", "![best peak LR vs global batch](best_lr_vs_batch.png)", ""]
 
 
 def gap_lines(gaps: dict, series: list[str], metric: Metric = ACC) -> list[str]:
@@ -350,14 +350,11 @@ def gap_lines(gaps: dict, series: list[str], metric: Metric = ACC) -> list[str]:
              f"Reference: {ref['series']} at global batch {ref['global_batch']:,}, tuned, test {metric.name} "
              f"{metric.show(ref[f'test_{metric.name}'])}{metric.suffix}. {unit.capitalize()} lost on test (mean over "
              "the seeds; negative: gained). The best recipe at a batch is the one with the best tuned **val** mean "
-             "there; test only scores it.", "",
-             f"| global batch | x | best on val | best: {unit} lost | " + " | ".join(series) + " |",
-             "| ---: | ---: | --- | ---: |" + " ---: |" * len(series)]
-    for row in gaps["batches"]:
-        per = [number(row["per_series"].get(name), spec) for name in series]
-        lines.append(f"| {row['global_batch']:,} | {row['ratio']:g} | {row['best_series']} | "
-                     f"{format(row['best_gap'], spec)} | " + " | ".join(per) + " |")
-    return lines + [""]
+             "there; test only scores it.", ""]
+    rows = ([f"{row['global_batch']:,}", f"{row['ratio']:g}", row["best_series"], format(row["best_gap"], spec),
+             *(number(row["per_series"].get(name), spec) for name in series)] for row in gaps["batches"])
+    header = ["global batch", "x", "best on val", f"best: {unit} lost", *series]
+    return lines + table(header, "rrlr" + "r" * len(series), rows) + [""]
 
 
 def steps_lines(steps: dict, metric: Metric) -> list[str]:
@@ -373,27 +370,25 @@ def steps_lines(steps: dict, metric: Metric) -> list[str]:
              "range of those that reached it. Perfect scaling: the smallest batch's median x its batch / this batch. "
              "Fitted: S = S_min (1 + B_crit / B) through the curve's medians, held at or above the budget's steps "
              "where the median missed the target (it needs more steps than the budget had).", "",
-             "![steps to target vs global batch](steps_to_target.png)", "",
-             "| recipe | global batch | steps to target (median) | range over studies | studies missed | "
-             "perfect scaling | fitted |", "| --- | ---: | ---: | --- | ---: | ---: | ---: |"]
-    fits = {fit["series"]: fit for fit in steps["fits"]}
+             "![steps to target vs global batch](steps_to_target.png)", ""]
+    fits, cells = {fit["series"]: fit for fit in steps["fits"]}, []
     for r in rows:
         fit = fits[r["series"]]
         fitted = fitted_steps(fit, r["global_batch"])
         perfect = first["median"] * first["global_batch"] / r["global_batch"] if first["median"] else None
         span = "n/a" if r["low"] is None else f"{r['low']:,.0f} - {r['high']:,.0f}"
-        lines.append(f"| {r['series']} | {r['global_batch']:,} | {number(r['median'], ',.0f')} | {span} | "
-                     f"{r['missed']}/{len(r['per_study'])} | {number(perfect, ',.0f')} | {number(fitted, ',.0f')} |")
+        cells.append([r["series"], f"{r['global_batch']:,}", number(r["median"], ",.0f"), span,
+                      f"{r['missed']}/{len(r['per_study'])}", number(perfect, ",.0f"), number(fitted, ",.0f")])
+    lines += table(["recipe", "global batch", "steps to target (median)", "range over studies", "studies missed",
+                    "perfect scaling", "fitted"], "lrrlrrr", cells)
     lines += ["", "The critical batch fitted through the medians; beside it, each study's own curve fitted alone (n/a: "
               "that study reached the target at fewer than 3 batches, or its steps show no critical batch): two "
-              "recipes whose per-study fits overlap are not told apart by this budget.", "",
-              "| recipe | fitted critical batch | per study | S_min (steps) | relative rms | batches fitted | "
-              "held at a missed budget |", "| --- | ---: | ---: | ---: | ---: | --- | --- |"]
-    for fit in steps["fits"]:
-        crit = f"{fit['b_crit']:,.0f}" if fit["b_crit"] else f"n/a: {fit.get('note')}"
-        lines.append(f"| {fit['series']} | {crit} | {per_study_words(fit)} | {number(fit['s_min'], ',.1f')} | "
-                     f"{number(fit['rel_rms'], '.3f')} | {', '.join(f'{b:,}' for b in fit['batches'])} | "
-                     f"{bound_words(fit)} |")
+              "recipes whose per-study fits overlap are not told apart by this budget.", ""]
+    fitted_rows = ([fit["series"], f"{fit['b_crit']:,.0f}" if fit["b_crit"] else f"n/a: {fit.get('note')}",
+                    per_study_words(fit), number(fit["s_min"], ",.1f"), number(fit["rel_rms"], ".3f"),
+                    ", ".join(f"{b:,}" for b in fit["batches"]), bound_words(fit)] for fit in steps["fits"])
+    lines += table(["recipe", "fitted critical batch", "per study", "S_min (steps)", "relative rms", "batches fitted",
+                    "held at a missed budget"], "lrrrrll", fitted_rows)
     return lines + [""]
 
 
@@ -426,7 +421,7 @@ def cell_row(c: dict, metric: Metric = ACC) -> str:
              number(gain, metric.gap_spec),
              ", ".join(f"`{k}={short(v)}`" for k, v in best["params"].items()) if best else "",
              number(best["peak_lr"], ".4g") if best else "n/a"]
-    return "| " + " | ".join(cells) + " |"
+    return line(cells)
 
 
 def plot_best_lr(summary: dict, path: Path) -> None:
