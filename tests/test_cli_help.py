@@ -30,3 +30,18 @@ def test_plan_cfg_job_prints_its_settings_with_the_model_and_data_it_plans(capfd
     code, _, err = run_main_io(["plan", "--cfg", "hydra"], capfd)
     assert code == 2 and err.strip() == ("lbt: error: lbt plan --cfg takes job (the plan's settings and the model "
                                          "and data it plans)")
+
+
+def test_train_reads_hydras_own_flags_with_lbts_one_line_errors(capfd):
+    """`lbt train` parses its flags with Hydra's own parser: a value Hydra refuses or a flag it has not is one
+    line, and --version names lbt with the Hydra it runs on."""
+    import hydra
+
+    import lbt
+
+    code, out, err = run_main_io(["train", "--version"], capfd)
+    assert code == 0 and out.strip() == f"lbt {lbt.__version__} (Hydra {hydra.__version__})", (out, err)
+    code, _, err = run_main_io(["train", "--cfg", "nope"], capfd)
+    assert code == 2 and err.strip().startswith("lbt: error: lbt train: argument --cfg/-c: invalid choice: 'nope'")
+    code, _, err = run_main_io(["train", "model=mlp", "--frobnicate"], capfd)
+    assert code == 2 and err.strip() == "lbt: error: lbt train: unrecognized arguments: --frobnicate"

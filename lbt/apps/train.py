@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Iterator
 
 import hydra
+from hydra._internal.utils import get_args_parser
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
+import lbt
 from lbt.apps.compose import Composed, compose, conf_dir, one_line, register_schemas, sweep_grid
 from lbt.apps.errors import fail
 from lbt.apps.job import HydraJob, finished_here, record_failure, say_job
@@ -37,17 +39,12 @@ MAX_CHECKED_JOBS = 64
 
 
 def hydra_flags() -> argparse.ArgumentParser:
-    """The flags of Hydra's command line (`-m`, `--cfg`, `--config-dir`, ...; Hydra's own parser is private),
-    so lbt can tell them from the overrides before it hands argv to Hydra, in any order."""
-    parser = argparse.ArgumentParser(prog="lbt train", add_help=False)
+    """Hydra's own command-line parser (`-m`, `--cfg`, `--config-dir`, ...; `hydra._internal`, as Hydra has no
+    public one), so lbt can tell the flags from the overrides before it hands argv to Hydra, in any order; a
+    mistake is one line."""
+    parser = get_args_parser()
+    parser.prog = "lbt train"
     parser.error = lambda message: fail(f"lbt train: {message}")  # type: ignore[method-assign]
-    parser.add_argument("overrides", nargs="*")
-    for flags in (("-m", "--multirun"), ("-h", "--help"), ("-hh", "--hydra-help"), ("--resolve",)):
-        parser.add_argument(*flags, action="store_true")
-    for flags in (("-c", "--cfg"), ("-p", "--package"), ("-cp", "--config-path"), ("-cn", "--config-name"),
-                  ("-cd", "--config-dir"), ("-sc", "--shell-completion"), ("--experimental-rerun",)):
-        parser.add_argument(*flags)
-    parser.add_argument("-i", "--info", nargs="?", const="all")
     return parser
 
 
@@ -132,6 +129,9 @@ def check_writable(folder: str, key: str) -> None:
 def train_command(args: list[str], report_failures: bool = True) -> None:
     """`lbt train ARGS`: checked, then run by Hydra's main (a multirun: by its sweeper and launcher)."""
     register_schemas()  # Hydra's own composition (hydra_main) reads them too
+    if "--version" in args:  # lbt's, with the Hydra it runs on (Hydra's own flag would name Hydra only)
+        print(f"lbt {lbt.__version__} (Hydra {hydra.__version__})")
+        return
     options = hydra_flags().parse_intermixed_args(args)
     if options.help or options.hydra_help or options.info or options.shell_completion:
         sys.argv = ["lbt train", *args]
