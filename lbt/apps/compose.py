@@ -159,6 +159,17 @@ def check_keyword(key: str, node: Any) -> None:
     raise ConfigError(f"{key}: {builder} takes no argument {leaf}; {hint}")
 
 
+def cfg_job_flag(args: list[str], command: str, shows: str) -> tuple[bool, list[str]]:
+    """Whether `--cfg job` was given (as `lbt train` takes it) to a command that composes a run, and the
+    arguments without it; another value is one ConfigError line saying what `job` `shows`."""
+    for i, arg in enumerate(args):
+        if arg in ("--cfg", "-c"):
+            if args[i + 1:i + 2] != ["job"]:
+                raise ConfigError(f"lbt {command} {arg} takes job ({shows})")
+            return True, args[:i] + args[i + 2:]
+    return False, args
+
+
 def sweep_grid(lines: list[str] | tuple[str, ...], where: str = "") -> list[list[str]]:
     """The jobs Hydra's basic sweeper makes of these overrides, in its order, each as `key=value` overrides: the
     one sweep expander of lbt (a study's grids, `lbt train -m`'s check, a tune's cells), so each is Hydra's."""

@@ -69,7 +69,8 @@ def check_targets(spec: RunSpec) -> None:
     if spec.strategy is not None:
         locate("strategy._target_", spec.strategy.target, StepStrategy)
     if spec.dist.shard == "fsdp" and spec.layout.procs > 1:  # sharded: refused before any process starts
-        refuse_unsharded([*build_techniques(spec, quiet=True)[0], build_strategy(spec)])
+        techniques, strategy = build_techniques(spec, quiet=True)
+        refuse_unsharded([*techniques, strategy])
 
 
 def split_layers(spec: RunSpec) -> bool:

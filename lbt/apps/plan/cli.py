@@ -13,6 +13,7 @@ from typing import NoReturn
 import torch
 from omegaconf import OmegaConf
 
+from lbt.apps.compose import cfg_job_flag
 from lbt.apps.plan.compute import (
     compute_from_result,
     compute_from_step_ms,
@@ -269,7 +270,7 @@ def plan_main(argv: list[str]) -> int:
     """`lbt plan ARGS`: print the table over W, write the PNG; 0 on success, 2 on a usage error (one
     `lbt: error:` line on stderr)."""
     try:
-        shown, argv = config_flag(argv)
+        shown, argv = cfg_job_flag(argv, "plan", "the plan's settings and the model and data it plans")
         args, overrides = config_overrides(argv)
         options = _parser().parse_args(hydra_style(args))
         options.overrides = overrides
@@ -298,16 +299,6 @@ def plan_main(argv: list[str]) -> int:
                 summarize(rows, inputs.critical_batch, inputs.critical_name)
                 + memory_lines(memory, optimizer, [r.workers for r in rows], gpu_gb),
                 plot(rows, plot_path(options), title, inputs.critical_batch))
-
-
-def config_flag(argv: list[str]) -> tuple[bool, list[str]]:
-    """Whether `--cfg job` was given (as `lbt train` takes it), and the arguments without it."""
-    for i, arg in enumerate(argv):
-        if arg in ("--cfg", "-c"):
-            if argv[i + 1:i + 2] != ["job"]:
-                raise ValueError(f"lbt plan {arg} takes job (the plan's settings and the model and data it plans)")
-            return True, argv[:i] + argv[i + 2:]
-    return False, argv
 
 
 def own_settings(options: argparse.Namespace) -> dict:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from lbt.apps.compose import Composed, compose
+from lbt.apps.compose import Composed, cfg_job_flag, compose
 from lbt.apps.errors import Stopped, fail, raise_if_stopped, stop_between_runs
 from lbt.apps.estimate import duration, timed_rate
 from lbt.apps.probe.analysis import analyse, branch_dir, branch_done, budget_points, checkpoint_numbers, verdicts
@@ -80,8 +80,8 @@ def probe_command(args: list[str]) -> None:
         print(PROBE_HELP)
         return
     started = time.perf_counter()
-    shown, args = config_flag(args)
     try:
+        shown, args = cfg_job_flag(args, "probe", "the probe's settings and its base run's config")
         settings, overrides = split_args(args)
         if shown:  # the probe's settings (probe.dir: where it would write) above the base run's config
             print(OmegaConf.to_yaml({"probe": vars(settings), **compose_base(settings, overrides).config}), end="")
@@ -159,16 +159,6 @@ def console(level: str) -> Iterator[None]:
             os.environ.pop(CONSOLE, None)
         else:
             os.environ[CONSOLE] = before
-
-
-def config_flag(args: list[str]) -> tuple[bool, list[str]]:
-    """Whether `--cfg job` was given (as `lbt train` takes it), and the arguments without it."""
-    for i, arg in enumerate(args):
-        if arg in ("--cfg", "-c"):
-            if args[i + 1:i + 2] != ["job"]:
-                fail(f"lbt probe {arg} takes job (the probe's settings and its base run's config)")
-            return True, args[:i] + args[i + 2:]
-    return False, args
 
 
 def plan_probe(settings: ProbeSettings, overrides: list[str]) -> tuple[RunSpec, ProbePlan]:
