@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth, latency = fit_ring(sizes, [statistics.median(data["allreduce"][s]) for s in sizes])
     print(f"ring model fit (t = bytes / bandwidth + 2 x latency): bandwidth {bandwidth / 1e9:.2f} GB/s "
           f"= {bandwidth * 8 / 1e9:.1f} Gb/s, latency {latency * 1e6:.0f} us  "
-          f"-> lbt plan --bandwidth-gbps {bandwidth * 8 / 1e9:.1f} --latency-us {latency * 1e6:.0f}")
+          f"-> lbt plan plan.bandwidth_gbps={bandwidth * 8 / 1e9:.1f} plan.latency_us={latency * 1e6:.0f}")
     if args.pace_ms > 0:
         means = paced(PACED_SIZES, args.pace_ms / 1e3, ops=100 if args.quick else 200)
         print(f"\npaced: every allreduce follows {args.pace_ms:g} ms of compute on both ranks (as in training); "
@@ -250,8 +250,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {_human(s)} | {back * 1e6:,.0f} us | {means[s] * 1e6:,.0f} us |")
         paced_bw, paced_lat = fit_ring(PACED_SIZES, [means[s] for s in PACED_SIZES])
         print(f"paced ring fit: bandwidth {paced_bw / 1e9:.2f} GB/s = {paced_bw * 8 / 1e9:.1f} Gb/s, latency "
-              f"{paced_lat * 1e6:.0f} us  -> lbt plan --bandwidth-gbps {paced_bw * 8 / 1e9:.1f} "
-              f"--latency-us {paced_lat * 1e6:.0f}")
+              f"{paced_lat * 1e6:.0f} us  -> lbt plan plan.bandwidth_gbps={paced_bw * 8 / 1e9:.1f} "
+              f"plan.latency_us={paced_lat * 1e6:.0f}")
     watch.sample()
     print(watch.verdict())
     if args.json:

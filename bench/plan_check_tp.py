@@ -1,4 +1,4 @@
-"""Does `lbt plan --tensor-parallel` predict a DP x T step on this machine? mlp at P = 1, 2 and 4 processes.
+"""Does `lbt plan plan.tensor_parallel=T` predict a DP x T step on this machine? mlp at P = 1, 2 and 4 processes.
 
     python bench/plan_check_tp.py                  # 3 interleaved repeats
     python bench/plan_check_tp.py --quick          # 1 repeat, fewer steps
@@ -7,7 +7,7 @@
 mlp with model.hidden=1024 (default; 2 layers, 1.09M parameters: the split pair holds ~99% of
 the FLOPs) on MNIST-1D at a fixed per-worker batch b, one thread per process, for the splits
 DP x T = 1 x 1 (P=1, reference), 1 x 2 (P=2), 2 x 2 and 1 x 4 (P=4):
-- predicted: the rows `lbt plan --tensor-parallel` prints (`lbt.cost.tensor_parallel.split_rows`), fed with
+- predicted: the rows `lbt plan plan.tensor_parallel=T` prints (`lbt.cost.tensor_parallel.split_rows`), fed with
   compute = `profile_compute(mlp, MNIST-1D's shape, b, threads=1)` run in P processes at once
   (the step waits for the slowest of P: `expected_max`), the split's FLOP share and collectives
   (`lbt.apps.plan.compute.model_split`), and the loopback gloo link as bench/allreduce.py fits it *paced*
@@ -48,7 +48,7 @@ def mlp_model(hidden: int) -> Target:
 def predicted_row(samples: list[float], num_params: int, split: DenseSplit, procs: int, tensor_parallel: int,
                   per_worker_batch: int, bandwidth_bytes_per_s: float, latency_s: float,
                   train_samples: int) -> SplitRow:
-    """The row `lbt plan --tensor-parallel T` prints for W = P, from compute samples profiled in P
+    """The row `lbt plan plan.tensor_parallel=T` prints for W = P, from compute samples profiled in P
     processes at once and the measured link."""
     compute = Compute(statistics.median(samples) / 3, 2 * statistics.median(samples) / 3, 0.0, per_worker_batch,
                       num_params, "profiled", step_samples=tuple(samples))

@@ -249,7 +249,7 @@ def test_more_nccl_processes_than_gpus_is_one_line(tmp_path, capfd, monkeypatch)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command", [["report", "no_such_folder"], ["plan", "--model", "mlp", "--step-ms", "5"]])
+@pytest.mark.parametrize("command", [["report", "no_such_folder"], ["plan", "model=mlp", "plan.step_ms=5"]])
 def test_ctrl_c_in_a_command_without_runs_is_one_line_and_130(tmp_path, command):
     """Ctrl-C while report or plan imports or works is one line and 130, not a KeyboardInterrupt traceback (nor a
     half-imported numpy's AttributeError). The process is frozen (SIGSTOP) while it is sent SIGINT, so the signal lands

@@ -16,14 +16,17 @@ def test_every_command_has_help_that_starts_with_its_usage_line(command, capfd):
 
 
 def test_plan_cfg_job_prints_its_settings_with_the_model_and_data_it_plans(capfd, tmp_path, monkeypatch):
-    """`lbt plan --cfg job` shows the plan's options (per_worker_batch, network, ...) and the model and data
-    configs it would profile, and measures nothing."""
+    """`lbt plan --cfg job` shows the plan's settings (plan.network, ...: every one, defaults too) and the model,
+    the data and the per-worker batch it would profile, as lbt train's config holds them, and measures nothing."""
+    from lbt.apps.plan.settings import PlanSettings
+
     monkeypatch.chdir(tmp_path)
-    code, out, err = run_main_io(["plan", "model=mlp", "per_worker_batch=32", "--network", "1gbe",
-                                  "model.hidden=64", "--cfg", "job"], capfd)
+    code, out, err = run_main_io(["plan", "model=mlp", "trainer.per_worker_batch=32", "plan.network=1gbe",
+                                  "model.hidden=64", "plan.critical_batch=512", "--cfg", "job"], capfd)
     assert code == 0 and not err, err
     shown = yaml.safe_load(out)
-    assert shown["plan"]["per_worker_batch"] == 32 and shown["plan"]["network"] == "1gbe"
+    assert shown["plan"] == {**vars(PlanSettings()), "network": "1gbe", "critical_batch": 512.0}
+    assert shown["trainer"] == {"per_worker_batch": 32}
     assert shown["model"] == {"_target_": "lbt.models.MLP", "hidden": 64, "num_layers": 2}
     assert shown["data"]["_target_"] == "lbt.data.build_mnist1d"
     assert list(tmp_path.iterdir()) == []  # no plot, no profile

@@ -163,11 +163,11 @@ def test_memory_per_gpu_and_traffic_formulas():
 def test_plan_names_the_fewest_gpus_a_model_trains_on_sharded(tmp_path, capsys):
     from test_cli_errors import run_main_io
 
-    args = ["plan", "--model", "transformer1d", "--gpu", "h100", "--shard", "fsdp", "--max-workers", "16",
-            "--out", str(tmp_path / "plan.png")]
-    code, out, err = run_main_io([*args, "--gpu-memory-gb", "0.00075"], capsys)  # 1.1 MB whole, 0.8 at 4, 0.7 at 8
+    args = ["plan", "model=transformer1d", "plan.gpu=h100", "plan.shard=fsdp", "plan.max_workers=16",
+            f"plan.out={tmp_path / 'plan.png'}"]
+    code, out, err = run_main_io([*args, "plan.gpu_memory_gb=0.00075"], capsys)  # 1.1 MB whole, 0.8 at 4, 0.7 at 8
     assert code == 0, err
     assert "gather+scatter ms" in out and "replicated (DDP, its buckets too)" in out
     assert "trains on: at least 8 GPUs, sharded (dist.shard=fsdp" in out, out
-    code, out, err = run_main_io([*args, "--compression", "fp16"], capsys)
-    assert code == 2 and "--shard fsdp plans sharded data parallelism" in err and err.count("\n") == 1
+    code, out, err = run_main_io([*args, "plan.compression=fp16"], capsys)
+    assert code == 2 and "plan.shard=fsdp plans sharded data parallelism" in err and err.count("\n") == 1

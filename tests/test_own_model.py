@@ -39,7 +39,7 @@ def test_the_own_model_page_works_as_written(tmp_path):
         assert run["eval_split"] == "val" and run["final_val_acc"] > 0.8 and run["test_acc"] > 0.8  # learnable
     assert runs["w16"]["global_batch"] == 1024
     # lbt plan took the class: profiled here, and from a given step time, its plot where it was asked.
-    assert result.stdout.count("gradient: ") == 2 and "given: --step-ms 1.5" in result.stdout
+    assert result.stdout.count("gradient: ") == 2 and "given: a step of 1.5 ms" in result.stdout
     assert (tmp_path / "runs" / "mine" / "plan_gpu.png").stat().st_size > 0
     assert (tmp_path / "runs" / "plan" / "plan.png").is_file()  # the default place, not the current folder
     assert not (tmp_path / "plan.png").exists()

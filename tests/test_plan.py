@@ -106,8 +106,8 @@ def test_network_presets_of_current_fabrics_with_their_sources():
 
 def test_plan_takes_the_new_network_presets(tmp_path, capsys):
     for name in ("ib-hdr", "ib-ndr", "nvlink4", "100gbe", "400gbe"):
-        assert plan_main(["--model", "mlp", "--step-ms", "2", "--network", name, "--max-workers", "4",
-                          "--out", str(tmp_path / f"{name}.png")]) == 0
+        assert plan_main(["model=mlp", "plan.step_ms=2", f"plan.network={name}", "plan.max_workers=4",
+                          f"plan.out={tmp_path / f'{name}.png'}"]) == 0
         assert f"network: {name}, {NETWORKS[name].bandwidth_gbps:g} Gb/s" in capsys.readouterr().out
 
 
@@ -180,8 +180,8 @@ def test_compute_from_result(tmp_path):
 
 def test_plan_main_prints_the_table_and_writes_the_png(tmp_path, capsys):
     out = tmp_path / "plan.png"
-    code = plan_main(["--model", "mlp", "--repeats", "3", "--per-worker-batch", "32", "--max-workers", "64",
-                      "--network", "1gbe", "--critical-batch", "512", "--out", str(out)])
+    code = plan_main(["model=mlp", "plan.repeats=3", "trainer.per_worker_batch=32", "plan.max_workers=64",
+                      "plan.network=1gbe", "plan.critical_batch=512", f"plan.out={out}"])
     printed = capsys.readouterr().out
     assert code == 0
     assert "global batch" in printed and "efficiency" in printed
@@ -196,42 +196,87 @@ def test_plan_main_critical_batch_from_a_study(tmp_path, capsys):
     from test_plan_inputs import study_of
 
     study = study_of(tmp_path / "study")  # lars keeps global batch 256 (8 GPUs), baseline 64 (2 GPUs)
-    code = plan_main(["--model", "mlp", "--step-ms", "5", "--max-workers", "16", "--from-study", str(study), "--out",
-                      str(tmp_path / "p.png")])
+    code = plan_main(["model=mlp", "plan.step_ms=5", "plan.max_workers=16", f"plan.from_study={study}",
+                      f"plan.out={tmp_path / 'p.png'}"])
     assert code == 0
     assert "largest safe W at b=32: 8 (global batch 256)" in capsys.readouterr().out
 
 
 def test_plan_main_custom_network_and_usage_errors(tmp_path, capsys):
-    code = plan_main(["--model", "mlp", "--repeats", "3", "--max-workers", "2", "--bandwidth-gbps", "40",
-                      "--latency-us", "3", "--out", str(tmp_path / "p.png")])
+    code = plan_main(["model=mlp", "plan.repeats=3", "plan.max_workers=2", "plan.bandwidth_gbps=40",
+                      "plan.latency_us=3", f"plan.out={tmp_path / 'p.png'}"])
     assert code == 0
     assert "custom, 40 Gb/s, 3 us" in capsys.readouterr().out
-    assert plan_main(["--model", "mlp", "--overlap", "2", "--out", str(tmp_path / "q.png")]) == 2
-    assert "--overlap" in capsys.readouterr().err
-    assert plan_main(["--from-study", str(tmp_path / "missing"), "--out", str(tmp_path / "r.png")]) == 2
+    assert plan_main(["model=mlp", "plan.overlap=2", f"plan.out={tmp_path / 'q.png'}"]) == 2
+    assert capsys.readouterr().err == "lbt: error: plan.overlap must be a number in [0, 1], got 2.0\n"
+    assert plan_main([f"plan.from_study={tmp_path / 'missing'}", f"plan.out={tmp_path / 'r.png'}"]) == 2
     capsys.readouterr()
-    assert plan_main(["--network", "carrier-pigeon"]) == 2
-    # argparse's mistakes too: one `lbt: error:` line, no usage block
+    assert plan_main(["plan.network=carrier-pigeon"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("lbt: error: argument --network: invalid choice: 'carrier-pigeon'")
+    assert err.count("\n") == 1 and err.startswith("lbt: error: plan.network must be one of nvlink4, ")
+    assert err.endswith("got 'carrier-pigeon'\n")
 
 
-def test_plan_takes_hydra_style_key_values_like_lbt_train(tmp_path, capsys):
-    from lbt.apps.plan.cli import config_overrides, hydra_style
+# -- the command line: lbt train's overrides for the run, plan.KEY=VALUE for the plan's own settings --------------
+def test_a_plan_setting_is_a_hydra_override_that_changes_the_table(tmp_path, capsys):
+    def allreduce_ms(network: str) -> float:
+        assert plan_main(["model=mlp", "plan.step_ms=2", "plan.max_workers=2", f"plan.network={network}",
+                          f"plan.out={tmp_path / 'p.png'}"]) == 0
+        rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("2 ")]
+        return float(rows[0][3])  # W=2's allreduce column
 
-    assert hydra_style(["model=resnet20", "per_worker_batch=128", "--network", "1gbe"]) == \
-        ["--model", "resnet20", "--per-worker-batch", "128", "--network", "1gbe"]
-    # lbt train's overrides of the model and data are composed, not turned into options (--model-name)
-    assert config_overrides(["--model", "timm", "model.name=resnet50", "b=8", "+model.img_size=32"]) == \
-        (["--model", "timm", "b=8"], ["model.name=resnet50", "+model.img_size=32"])
-    with pytest.raises(ValueError, match="per_worker_batch"):
-        config_overrides(["trainer.per_worker_batch=8"])  # plan's own option, never silently ignored
-    out = tmp_path / "kv.png"
-    code = plan_main(["model=mlp", "repeats=3", "max_workers=4", "network=1gbe", f"out={out}"])
-    assert code == 0 and out.exists()
-    assert "1gbe" in capsys.readouterr().out
-    assert plan_main(["model=resnet9000"]) == 2
+    assert allreduce_ms("1gbe") > 10 * allreduce_ms("25gbe") > 0  # 22,000 parameters over 1 vs 25 Gb/s
+
+
+def test_a_mistyped_plan_setting_gets_did_you_mean(capsys):
+    assert plan_main(["model=mlp", "plan.netwrok=10gbe"]) == 2
+    assert capsys.readouterr().err == "lbt: error: plan.netwrok: no such key in plan; did you mean plan.network?\n"
+    assert plan_main(["plan.max_workers=many"]) == 2  # a value of the wrong type: Hydra's line
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "plan.max_workers=many" in err and "Integer" in err
+    assert plan_main(["trainer.per_worker_bach=8"]) == 2  # the run's keys are lbt train's, mistyped as there
+    assert "did you mean trainer.per_worker_batch?" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--network", "25gbe"], "--network is now plan.network=VALUE"),
+    (["--from-result=runs/x/result.json"], "--from-result is now plan.from_result=VALUE"),
+    (["-N", "1000"], "-N is now plan.train_samples=N"),
+    (["--model", "mlp"],
+     "--model is now model=NAME (your own class: model=custom model._target_=package.module.Class)"),
+    (["--per-worker-batch", "128"], "--per-worker-batch is now trainer.per_worker_batch=N"),
+    (["-b", "128"], "-b is now trainer.per_worker_batch=N"),
+    (["--input-shape", "40"], "--input-shape is now data.input_shape=[DIMS]"),
+    (["network=25gbe"], "network=25gbe is now plan.network=25gbe"),
+    (["per_worker_batch=128"], "per_worker_batch=128 is now trainer.per_worker_batch=128"),
+    (["num_classes=2"], "num_classes=2 is now data.num_classes=2"),
+])
+def test_an_old_option_names_its_new_key(args, says, capsys):
+    assert plan_main(["model=mlp", *args]) == 2
+    assert capsys.readouterr().err == f"lbt: error: {says} (lbt plan takes Hydra overrides)\n"
+
+
+def test_keys_a_plan_does_not_read_are_refused(capsys):
+    assert plan_main(["--frobnicate"]) == 2
+    assert capsys.readouterr().err.startswith("lbt: error: lbt plan takes Hydra overrides (model=NAME, ")
+    assert plan_main(["model=mlp", "dist.shard=fsdp"]) == 2  # lbt train's key, which the plan would ignore
+    assert capsys.readouterr().err == (
+        "lbt: error: dist.shard=fsdp: lbt plan reads the model, the data and trainer.per_worker_batch of lbt train's "
+        "config, nothing else of it; did you mean plan.shard=fsdp?\n")
+    assert plan_main(["plan.from_result=runs/x/result.json", "model=mlp"]) == 2
+    assert "plan.from_result plans the model and data of its run" in capsys.readouterr().err
+
+
+def test_plan_modes_are_the_presets_of_lbt_cost():
+    from typing import get_args
+
+    from lbt.apps.plan.settings import GpuName, NetworkName, OptimizerName, Precision
+    from lbt.cost.gpu import GPUS, PRECISIONS
+    from lbt.cost.memory import OPTIMIZER_SLOTS
+
+    assert get_args(NetworkName) == tuple(NETWORKS)  # the help lists them in this order, fastest first
+    assert get_args(GpuName) == tuple(GPUS) and get_args(Precision) == PRECISIONS
+    assert get_args(OptimizerName) == tuple(OPTIMIZER_SLOTS)
 
 
 def test_models_and_data_come_from_conf():
@@ -259,9 +304,9 @@ def test_data_shape_agrees_with_the_built_data():
 
 
 def test_plan_profiles_a_model_on_the_data_it_names(tmp_path, capsys):
-    assert plan_main(["model=resnet20", "data=cifar10", "per_worker_batch=4", "repeats=2", "max_workers=2",
-                      f"out={tmp_path / 'r.png'}"]) == 0
+    assert plan_main(["model=resnet20", "data=cifar10", "trainer.per_worker_batch=4", "plan.repeats=2",
+                      "plan.max_workers=2", f"plan.out={tmp_path / 'r.png'}"]) == 0
     assert "input (3, 32, 32)" in capsys.readouterr().out
     # ResNet-20 on MNIST-1D's 1-D samples: one line, not a traceback
-    assert plan_main(["model=resnet20", "per_worker_batch=4", f"out={tmp_path / 's.png'}"]) == 2
+    assert plan_main(["model=resnet20", "trainer.per_worker_batch=4", f"plan.out={tmp_path / 's.png'}"]) == 2
     assert "resnet20 cannot take inputs of shape (40,)" in capsys.readouterr().err

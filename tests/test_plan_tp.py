@@ -1,4 +1,4 @@
-"""`lbt plan --tensor-parallel`: the split rule, the hybrid step's formulas on hand-computed cases, the command."""
+"""`lbt plan plan.tensor_parallel=T`: the split rule, the hybrid step's formulas by hand, the command."""
 
 from __future__ import annotations
 
@@ -162,8 +162,8 @@ def test_recommend_never_a_split_whose_global_batch_exceeds_n():
 
 
 def test_plan_never_recommends_a_split_past_n(tmp_path, capsys):
-    code = plan_main(["model=mlp", "step_ms=5", "tensor_parallel=2", "max_workers=8", "train_samples=256",
-                      "network=nvlink4", f"out={tmp_path / 'n.png'}"])
+    code = plan_main(["model=mlp", "plan.step_ms=5", "plan.tensor_parallel=2", "plan.max_workers=8",
+                      "plan.train_samples=256", "plan.network=nvlink4", f"plan.out={tmp_path / 'n.png'}"])
     printed = capsys.readouterr().out
     assert code == 0
     table = [line.split() for line in printed.splitlines() if line[:2].strip().isdigit()]
@@ -182,15 +182,15 @@ def test_tensor_parallel_options():
     for bad in ("0", "3", "-2", "two", "1.5"):
         with pytest.raises(ValueError, match="power of 2"):
             tensor_parallel_options(bad, 64)
-    with pytest.raises(ValueError, match="exceeds --max-workers"):
+    with pytest.raises(ValueError, match="exceeds plan.max_workers"):
         tensor_parallel_options("16", 8)
 
 
 # -- the command -------------------------------------------------------------------------------------
 def test_plan_prints_the_split_table_and_writes_the_png(tmp_path, capsys):
     out = tmp_path / "tp.png"
-    code = plan_main(["--model", "mlp", "--step-ms", "20", "--tensor-parallel", "auto", "--max-workers", "64",
-                      "--network", "nvlink", "--critical-batch", "1024", "--out", str(out)])
+    code = plan_main(["model=mlp", "plan.step_ms=20", "plan.tensor_parallel=auto", "plan.max_workers=64",
+                      "plan.network=nvlink", "plan.critical_batch=1024", f"plan.out={out}"])
     printed = capsys.readouterr().out
     assert code == 0
     assert "DP x T" in printed and "TP comm ms" in printed
@@ -206,7 +206,8 @@ def test_plan_prints_the_split_table_and_writes_the_png(tmp_path, capsys):
 
 
 def test_plan_says_which_t_the_model_cannot_take(tmp_path, capsys):
-    code = plan_main(["model=cnn1d", "step_ms=5", "tensor_parallel=auto", "max_workers=8", f"out={tmp_path / 'c.png'}"])
+    code = plan_main(["model=cnn1d", "plan.step_ms=5", "plan.tensor_parallel=auto", "plan.max_workers=8",
+                      f"plan.out={tmp_path / 'c.png'}"])
     printed = capsys.readouterr().out
     assert code == 0
     # In plain words: which layer, what it is, how it would be split and why T GPUs cannot share it.
@@ -224,7 +225,7 @@ def test_plan_tensor_parallel_from_a_result(tmp_path, capsys):
                        "num_classes": 10}}
     path = write_result(tmp_path, RunResult(samples_per_sec=6400.0, per_worker_batch=64, world_size=1, procs=1,
                                             global_batch=64, final_acc=0.9, final_loss=0.3, config=config))
-    assert plan_main(["--from-result", str(path), "--tensor-parallel", "2", "--max-workers", "4"]) == 0
+    assert plan_main([f"plan.from_result={path}", "plan.tensor_parallel=2", "plan.max_workers=4"]) == 0
     printed = capsys.readouterr().out
     assert "lbt.models.MLP's layer 1 (Linear 40 -> 256), split by its 256 outputs; layer 3 (Linear 256 -> 256), " \
         "split by its 256 inputs" in printed
@@ -234,14 +235,14 @@ def test_plan_tensor_parallel_from_a_result(tmp_path, capsys):
 
 
 def test_plan_tensor_parallel_usage_errors(tmp_path, capsys):
-    png = f"out={tmp_path / 'e.png'}"
-    assert plan_main(["model=mlp", "step_ms=5", "tensor_parallel=3", png]) == 2
+    png = f"plan.out={tmp_path / 'e.png'}"
+    assert plan_main(["model=mlp", "plan.step_ms=5", "plan.tensor_parallel=3", png]) == 2
     assert capsys.readouterr().err.strip() == \
-        "lbt: error: --tensor-parallel must be auto or a power of 2 (1, 2, 4, ...), got '3'"
-    assert plan_main(["model=mlp", "step_ms=5", "tensor_parallel=0", png]) == 2
-    assert plan_main(["model=mlp", "step_ms=5", "tensor_parallel=auto", "compression=fp16", png]) == 2
-    assert "--compression and --delay do not apply" in capsys.readouterr().err
-    assert plan_main(["model=mlp", "step_ms=5", "tensor_parallel=16", "max_workers=8", png]) == 2
+        "lbt: error: plan.tensor_parallel must be auto or a power of 2 (1, 2, 4, ...), got '3'"
+    assert plan_main(["model=mlp", "plan.step_ms=5", "plan.tensor_parallel=0", png]) == 2
+    assert plan_main(["model=mlp", "plan.step_ms=5", "plan.tensor_parallel=auto", "plan.compression=fp16", png]) == 2
+    assert "plan.compression and plan.delay do not apply" in capsys.readouterr().err
+    assert plan_main(["model=mlp", "plan.step_ms=5", "plan.tensor_parallel=16", "plan.max_workers=8", png]) == 2
     assert capsys.readouterr().err.count("\n") == 1  # one line, no traceback
 
 

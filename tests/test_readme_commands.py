@@ -116,8 +116,11 @@ def short_form(command: str, places: dict, tmp_path: Path) -> list[str]:
         return args + [a for a in tiny if a.split("=", 1)[0] not in given and not a.startswith("probe.dir")] + \
             [a for a in tiny if a.startswith("probe.dir") and "probe.dir" not in given]
     if kind == "plan":  # a brief profile at a small per-worker batch, unless the command reads a run's time
-        brief = [] if "--from-result" in args or "--per-worker-batch" in args else ["--per-worker-batch", "4"]
-        return args + ["--repeats", "1", "--max-workers", "8", *brief, "--out", str(tmp_path / "plan.png")]
+        given = {a.split("=", 1)[0] for a in args[1:]}
+        brief = {"plan.repeats": "1", "plan.max_workers": "8", "plan.out": str(tmp_path / "plan.png")}
+        if not given & {"plan.from_result", "trainer.per_worker_batch"}:
+            brief["trainer.per_worker_batch"] = "4"
+        return [a for a in args if a.split("=", 1)[0] not in brief] + [f"{k}={v}" for k, v in brief.items()]
     return args
 
 

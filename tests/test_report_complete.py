@@ -70,7 +70,7 @@ def test_an_incomplete_study_names_the_missing_cell_and_gives_no_answer(tmp_path
     assert summary["complete"] is False and summary["failed"] == []
     assert [(m["job_dir"], m["recipe"], m["world_size"], m["global_batch"], m["seed"]) for m in summary["missing"]] \
         == [("3", "lars", 4, 128, 0)]
-    # nothing downstream can read an answer: lbt plan --from-study finds no critical batch
+    # nothing downstream can read an answer: lbt plan plan.from_study=DIR finds no critical batch
     assert "incomplete" in summary["answer_withheld"] and summary["gpu_answer"]["best"] is None
     assert summary["gpu_answer"]["recipes"] == [] and summary["gpu_answer"]["withheld"] == summary["answer_withheld"]
     crit = summary["critical_batch"]

@@ -61,26 +61,25 @@ def test_unknown_timm_model_is_one_line_exit_2(tmp_path, monkeypatch, capfd):
 
 
 def test_plan_profiles_a_timm_model_with_train_overrides(tmp_path, capsys):
-    code = plan_main([*TIMM, *IMAGES, "--per-worker-batch", "4", "--repeats", "1", "--max-workers", "4",
-                      "--out", str(tmp_path / "plan.png")])
+    code = plan_main([*TIMM, *IMAGES, "trainer.per_worker_batch=4", "plan.repeats=1", "plan.max_workers=4",
+                      f"plan.out={tmp_path / 'plan.png'}"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "4,927,618 parameters" in out and "timm resnet10t at batch 4" in out
 
 
-def test_plan_takes_overrides_after_dash_dash_options(tmp_path, capsys):
-    """`lbt plan --model torchvision model.name=resnet18`: a form that once failed."""
-    code = plan_main(["--model", "torchvision", "model.name=resnet18", "--data", "synthetic",
-                      "data.input_shape=[3,32,32]", "--step-ms", "3", "--max-workers", "2",
-                      "--out", str(tmp_path / "plan.png")])
+def test_plan_takes_a_torchvision_model_by_name(tmp_path, capsys):
+    """`lbt plan model=torchvision model.name=resnet18`, on data of the shape it is given."""
+    code = plan_main(["model=torchvision", "model.name=resnet18", "data=synthetic", "data.input_shape=[3,32,32]",
+                      "plan.step_ms=3", "plan.max_workers=2", f"plan.out={tmp_path / 'plan.png'}"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "11,181,642 parameters" in out  # torchvision's resnet18 with 10 classes
 
 
 def test_plan_override_mistakes_are_one_line(tmp_path, capsys):
-    assert plan_main([*TIMM[:1], "model.name=resnet1800", *IMAGES, "--step-ms", "3"]) == 2
+    assert plan_main([*TIMM[:1], "model.name=resnet1800", *IMAGES, "plan.step_ms=3"]) == 2
     assert "resnet18" in capsys.readouterr().err
-    assert plan_main(["model=mlp", "model.widht=3", "--step-ms", "3"]) == 2
+    assert plan_main(["model=mlp", "model.widht=3", "plan.step_ms=3"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("lbt: error:") and err.count("\n") == 1

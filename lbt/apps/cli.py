@@ -57,8 +57,9 @@ commands:
                         turn a multirun folder into report.md, PNG curves, summary.json, tb_summary/
   tokens TEXT_FILE DIR  write a token folder for data=tokens (train.bin, val.bin) from any file,
                         one token per byte; your own tokenizer: docs/language-models.md
-  plan [options]        predict time per epoch vs GPU count from measured compute and a network
-                        model: where adding GPUs stops paying (`lbt plan --help`)
+  plan [overrides]      predict time per epoch vs GPU count from measured compute and a network
+                        model: where adding GPUs stops paying; e.g. `lbt plan model=resnet20
+                        data=cifar10 plan.network=25gbe` (`lbt plan --help`: its plan.* settings)
 """
 
 

@@ -88,6 +88,7 @@ def register_schemas() -> None:
 class Composed:
     config: dict[str, Any]  # resolved, without the hydra node
     recipe: str  # the recipe group's choice ("custom" when none)
+    choices: Mapping[str, str] = dataclasses.field(default_factory=dict)  # each group's choice (model: mlp)
 
 
 def compose(overrides: list[str] | tuple[str, ...] = (), config_dir: str | Path | None = None,
@@ -106,6 +107,7 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_dir: str | Path 
             known = composed_without(list(overrides), config_name, error, extra)
             raise ConfigError(explain(error, known, search)) from None
         recipe = cfg.hydra.runtime.choices.get("recipe") or "custom"
+        choices = {str(k): str(v) for k, v in cfg.hydra.runtime.choices.items() if v is not None}
         check_added_keys(list(overrides), cfg, config_name, extra, search)
     with open_dict(cfg):
         del cfg["hydra"]
@@ -117,7 +119,7 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_dir: str | Path 
     except Exception as error:  # an interpolation that does not resolve
         raise ConfigError(one_line(error)) from None
     assert isinstance(config, dict)
-    return Composed({str(k): v for k, v in config.items()}, str(recipe))
+    return Composed({str(k): v for k, v in config.items()}, str(recipe), choices)
 
 
 def check_added_keys(overrides: list[str], cfg: Any, config_name: str, extra: list[str],

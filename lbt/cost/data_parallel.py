@@ -11,7 +11,7 @@ allreduce), evaluated for W = 1, 2, 4, ... workers:
     step      = slowest + allreduce - hidden,  hidden = min(allreduce, overlap x backward)
     epoch     = N / (b W) x step
 
-With gradient delay (`--delay d`, strategy=gradient_delay; d=1 is double
+With gradient delay (`plan.delay=d`, strategy=gradient_delay; d=1 is double
 buffering) a step's allreduce runs while the next step computes, so a step
 costs max(slowest, allreduce) instead of their sum; the table then shows both.
 
@@ -55,7 +55,7 @@ class Network:
 # Typical values: link data rates per direction and small-message latencies as
 # vendors and common benchmarks state them, each with its source. They are upper bounds on what an
 # allreduce reaches (NCCL typically gets 80-95% of the link rate, TCP less):
-# measure yours (bench/allreduce.py, nccl-tests) and pass --bandwidth-gbps/--latency-us.
+# measure yours (bench/allreduce.py, nccl-tests) and pass plan.bandwidth_gbps/plan.latency_us.
 # Fastest first: `lbt plan --help` lists them in this order.
 NETWORKS: dict[str, Network] = {
     n.name: n
@@ -185,7 +185,7 @@ def gradient_bytes(num_params: int, compression: str = "none") -> float:
 def worker_counts(max_workers: int) -> list[int]:
     """1, 2, 4, ... up to max_workers (max_workers itself included)."""
     if max_workers < 1:
-        raise ValueError(f"--max-workers must be >= 1, got {max_workers}")
+        raise ValueError(f"plan.max_workers must be >= 1, got {max_workers}")
     counts, w = [], 1
     while w < max_workers:
         counts.append(w)
@@ -230,7 +230,7 @@ class ScalingRow:
     slower: bool  # the epoch takes longer than with the previous (smaller) W
     beyond_critical: bool  # b x W > critical batch
     beyond_dataset: bool  # b x W > N: not even one step per epoch
-    synchronous_step_s: float | None = None  # with --delay: the step without overlap, for comparison
+    synchronous_step_s: float | None = None  # with plan.delay: the step without overlap, for comparison
 
 
 def scaling_rows(

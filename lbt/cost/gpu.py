@@ -9,7 +9,7 @@ utilisation (model FLOPs utilisation, MFU) is an assumption the output states. L
 reach 35-55% in bf16 (PaLM, Chowdhery et al. 2022: 46%; Megatron-LM, Narayanan et al. 2021: 52%);
 small models at small batches much less, since a step of a few dozen kernels each too small to fill
 the GPU is bound by launches (a few us each) rather than FLOPs. Measure a real step where you can
-(`lbt plan --step-ms`).
+(`lbt plan plan.step_ms=MS`).
 
 `fp32` is the GPU's CUDA-core FP32 rate: torch's default matmuls (torch.backends.cuda.matmul.allow_tf32
 is False); its convolutions may use TF32 (torch.backends.cudnn.allow_tf32 is True) and run faster.
@@ -71,7 +71,7 @@ def gpu_seconds(flops: float, gpu: Gpu, precision: str, utilization: float) -> f
     if precision not in gpu.tflops:
         have = ", ".join(gpu.tflops)
         raise ValueError(f"{gpu.label} has no {precision} rate in its datasheet (it has {have}): "
-                         f"choose --precision {' or '.join(gpu.tflops)}")
+                         f"choose plan.precision={' or '.join(gpu.tflops)}")
     if not 0.0 < utilization <= 1.0:
         raise ValueError(f"utilization must be in (0, 1], got {utilization}")
     return flops / (gpu.tflops[precision] * 1e12 * utilization)

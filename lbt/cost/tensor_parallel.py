@@ -1,6 +1,6 @@
 """The cost of data x tensor parallelism: more GPUs without a bigger batch, by splitting the dense layers.
 
-`lbt plan --tensor-parallel` (lbt/apps/plan/) evaluates these formulas.
+`lbt plan plan.tensor_parallel=auto` (lbt/apps/plan/) evaluates these formulas.
 
 W GPUs run as DP data-parallel workers x T tensor-parallel ranks (W = DP x T). The T ranks of a
 group compute the same per-worker batch b, each with 1/T of every split dense layer, so the
@@ -57,7 +57,7 @@ from lbt.cost.data_parallel import (
 )
 from lbt.parallel.tensor_parallel import Split, dense_splits, why_not
 
-# `--tensor-parallel auto` tries T = 2, 4, 8: a tensor-parallel group should stay inside one node's
+# `plan.tensor_parallel=auto` tries T = 2, 4, 8: a tensor-parallel group should stay inside one node's
 # fast links (NVLink joins 8 GPUs), its activation allreduces run every layer.
 AUTO_MAX_TENSOR_PARALLEL = 8
 
@@ -173,9 +173,9 @@ def tensor_parallel_options(value: str, max_workers: int) -> list[int]:
     except ValueError:
         t = 0
     if t < 1 or t & (t - 1):
-        raise ValueError(f"--tensor-parallel must be auto or a power of 2 (1, 2, 4, ...), got {value!r}")
+        raise ValueError(f"plan.tensor_parallel must be auto or a power of 2 (1, 2, 4, ...), got {value!r}")
     if t > max_workers:
-        raise ValueError(f"--tensor-parallel {t} exceeds --max-workers {max_workers}: T ranks are T GPUs")
+        raise ValueError(f"plan.tensor_parallel={t} exceeds plan.max_workers={max_workers}: T ranks are T GPUs")
     return sorted({1, t})
 
 

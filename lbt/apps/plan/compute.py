@@ -1,9 +1,9 @@
-"""What `lbt plan` plans with: one worker's compute per step (profiled here, given with --step-ms, predicted for
-a GPU preset with --gpu, or read from a run's result), N (the run's or the data's real training set) and a
+"""What `lbt plan` plans with: one worker's compute per step (profiled here, given with plan.step_ms, predicted
+for a GPU preset with plan.gpu, or read from a run's result), N (the run's or the data's real training set) and a
 study's critical batch (the figure its answer gives, for a named recipe).
 
 Models and data are composed and built as `lbt train` composes and builds them (lbt/apps/compose.py,
-lbt/engine/build.py), so `--model resnet20 --data cifar10` means what `model=resnet20 data=cifar10` means.
+lbt/engine/build.py): `lbt plan model=resnet20 data=cifar10` plans what `lbt train model=resnet20 data=cifar10` runs.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from lbt.apps.compose import compose, conf_dir
+from lbt.apps.plan.settings import MAX_PER_WORKER_BATCH
 from lbt.cost.data_parallel import DEFAULT_BACKWARD_SHARE, Compute
 from lbt.cost.gpu import Gpu, gpu_seconds
 from lbt.cost.memory import OPTIMIZER_SLOTS, ModelMemory
@@ -27,7 +28,8 @@ from lbt.engine.build import build_data, build_model, data_shape
 from lbt.errors import ConfigError, first_line
 from lbt.parallel.fsdp import shard_units
 from lbt.spec.result import ResultError, RunResult, read_result
-from lbt.spec.targets import Target, locate, target_of
+from lbt.spec.targets import Target, target_of
+from lbt.spec.validate import integer
 
 
 def config_names(group: str) -> list[str]:
@@ -35,28 +37,35 @@ def config_names(group: str) -> list[str]:
     return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
 
 
-def model_and_data(model: str, data: str, overrides: list[str] | tuple = ()) -> tuple[Target, Target]:
-    """--model (a config of conf/model/, or your own class as package.module.Class, built as
-    `lbt train model=custom model._target_=...` builds it) and --data, with `lbt train`'s overrides of
-    them (`model.name=resnet50`, `data.num_classes=2`), composed as `lbt train` composes them."""
-    if model == "custom":
-        raise ValueError("--model custom: give your class itself, --model package.module.Class")
-    if model in config_names("model"):
-        groups = [f"model={model}"]
-    elif "." in model:
-        try:
-            locate("--model", model)
-        except ConfigError as error:
-            raise ValueError(str(error)) from None
-        groups = ["model=custom", f"model._target_={model}"]
-    else:
-        raise ValueError(f"no model {model!r}: choose one of {', '.join(config_names('model'))} (conf/model/) "
-                         "or give a class as package.module.Class")
-    try:
-        config = compose([*groups, f"data={data}", *overrides], job_name="lbt_plan").config
-    except ConfigError as error:
-        raise ValueError(str(error)) from None
-    return target_of(config["model"], "model"), target_of(config["data"], "data")
+@dataclass(frozen=True)
+class PlannedRun:
+    """What a plan reads of the run it plans for, composed as `lbt train OVERRIDES` composes it."""
+
+    model: Target
+    data: Target
+    per_worker_batch: int | None  # trainer.per_worker_batch, None when not given
+    name: str  # the model in words: its config's name (timm resnet50), or your class
+
+
+def planned_run(overrides: list[str] | tuple = ()) -> PlannedRun:
+    """The model, the data and trainer.per_worker_batch that `lbt train OVERRIDES` would run."""
+    composed = compose(list(overrides), job_name="lbt_plan")
+    model, data = target_of(composed.config["model"], "model"), target_of(composed.config["data"], "data")
+    choice = composed.choices.get("model", "custom")
+    name = model.target if choice == "custom" else choice
+    if "name" in model.kwargs:  # model=timm model.name=resnet50: say which
+        name = f"{name} {model.kwargs['name']}"
+    b = (composed.config.get("trainer") or {}).get("per_worker_batch")
+    if b is not None:
+        integer("trainer.per_worker_batch", b, 1, MAX_PER_WORKER_BATCH)
+    return PlannedRun(model, data, b, name)
+
+
+def model_and_data(model: str = "cnn1d", data: str = "mnist1d",
+                   overrides: list[str] | tuple = ()) -> tuple[Target, Target]:
+    """A model and data of conf/ (`model_and_data("mlp", "mnist1d")`), with `lbt train`'s overrides of them."""
+    run = planned_run([f"model={model}", f"data={data}", *overrides])
+    return run.model, run.data
 
 
 def count_parameters(model: Target, shape: DataShape) -> int:
@@ -78,11 +87,11 @@ def model_memory(model: Target, shape: DataShape, optimizer: str) -> ModelMemory
 def compute_from_step_ms(step_ms: float, model: Target, shape: DataShape, per_worker_batch: int, name: str) -> Compute:
     """A step time measured elsewhere (a GPU run): the model is only built to count its parameters.
     The step splits as forward 1/3, backward 2/3 (backward costs about twice the forward), which only
-    --overlap reads."""
+    plan.overlap reads."""
     num_params = count_parameters(model, shape)
     step = step_ms / 1e3
     return Compute(step / 3, 2 * step / 3, 0.0, per_worker_batch, num_params,
-                   f"given: --step-ms {step_ms:g} at batch {per_worker_batch} ({name}, {num_params:,} parameters)")
+                   f"given: a step of {step_ms:g} ms at batch {per_worker_batch} ({name}, {num_params:,} parameters)")
 
 
 def example_batch(shape: DataShape, batch: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,8 +148,8 @@ def timed_steps(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: i
             loss = loss_fn(net(x), y)
         except RuntimeError as error:
             raise ValueError(f"{name} cannot take inputs of shape {shape.input_shape} "
-                             f"({str(error).splitlines()[0]}): choose the data it is meant for, "
-                             "or give --input-shape") from None
+                             f"({str(error).splitlines()[0]}): choose the data it is meant for (data=NAME)") \
+                from None
         t1 = now()
         loss.backward()
         t2 = now()
@@ -178,7 +187,7 @@ def step_flops(model: Target, shape: DataShape, batch: int, name: str) -> tuple[
         forward, backward = counted("cpu", 2)
     except RuntimeError as error:
         raise ValueError(f"{name} cannot take inputs of shape {shape.input_shape} ({str(error).splitlines()[0]}): "
-                         "choose the data it is meant for, or give --input-shape") from None
+                         "choose the data it is meant for (data=NAME)") from None
     return forward * batch / 2, backward * batch / 2
 
 
@@ -254,14 +263,14 @@ def train_samples(data: Target, shape: DataShape, run: RunResult | None = None) 
         if isinstance(error, ConfigError):  # a mistake in the data's settings: that is the line to read
             raise ValueError(reason) from None
         raise ValueError(f"N, the training samples per epoch, is not known without reading {name}, and reading "
-                         f"it failed ({type(error).__name__}: {reason}): give --train-samples N") from None
+                         f"it failed ({type(error).__name__}: {reason}): give plan.train_samples=N") from None
     held = f", {len(splits.val):,} more held out for validation" if splits.val is not None else ""  # type: ignore[arg-type]
     return splits.num_train, f"the training set of {name}, read here to count it{held}"
 
 
 @dataclass(frozen=True)
 class StudyBatch:
-    """The critical batch `lbt plan --from-study` takes: one recipe's largest global batch within the study's
+    """The critical batch `lbt plan plan.from_study=DIR` takes: one recipe's largest global batch within the study's
     tolerance, the figure the report's answer gives (lbt/apps/report/answer.py), and at what world size."""
 
     value: float
@@ -283,7 +292,7 @@ def critical_batch_from_study(study_dir: str | Path, recipe: str | None = None,
                               run_recipe: str | None = None) -> StudyBatch:
     """The critical batch of a study, as its report's answer gives it (summary.json's gpu_answer, the
     same figure as its critical_batch.value): for `recipe` if given, else for `run_recipe` (the recipe of
-    the --from-result run) when the study ran it, else for the study's answer, its best recipe."""
+    the plan.from_result run) when the study ran it, else for the study's answer, its best recipe."""
     path = Path(study_dir) / "summary.json"
     if not path.exists():
         raise ValueError(f"{path} not found: run `lbt report {study_dir}` first")
@@ -297,7 +306,7 @@ def critical_batch_from_study(study_dir: str | Path, recipe: str | None = None,
     withheld = summary.get("answer_withheld") or answer.get("withheld") or crit.get("withheld")
     if withheld:
         raise ValueError(f"{path}: the study gives no answer ({withheld}), so no critical batch to plan with: "
-                         "give --critical-batch")
+                         "give plan.critical_batch=B")
     recipes = {r["recipe"]: r for r in answer.get("recipes") or [] if r.get("recipe")}
     best = answer.get("best") or {}
     if not recipes and crit.get("value"):  # a summary.json without per-recipe answers: the lead figure only
@@ -305,12 +314,12 @@ def critical_batch_from_study(study_dir: str | Path, recipe: str | None = None,
         recipes = {best["recipe"]: best}
     if not answer and not best:
         raise ValueError(f"{path} holds no answer of the study (no gpu_answer: written by an older lbt report?): "
-                         f"run `lbt report {study_dir}` again, or give --critical-batch")
+                         f"run `lbt report {study_dir}` again, or give plan.critical_batch=B")
     if not best.get("global_batch"):
         raise ValueError(f"{path}: the study kept no recipe's global batch within its tolerance, so no critical "
-                         "batch to plan with: give --critical-batch")
+                         "batch to plan with: give plan.critical_batch=B")
     if recipe is not None and recipe not in recipes:
-        raise ValueError(f"--recipe {recipe}: the study in {study_dir} ran {', '.join(sorted(recipes))}")
+        raise ValueError(f"plan.recipe={recipe}: the study in {study_dir} ran {', '.join(sorted(recipes))}")
     chosen = recipe or (run_recipe if run_recipe in recipes else best["recipe"])
     return study_batch(recipes[chosen], best, chosen == run_recipe and recipe is None)
 
@@ -320,24 +329,24 @@ def study_batch(entry: dict[str, Any], best: dict[str, Any], from_run: bool) -> 
     name = entry["recipe"]
     if not entry.get("global_batch"):
         raise ValueError(f"the study kept no global batch of {name} within its tolerance (every batch tried was "
-                         f"worse): no critical batch for it; choose --recipe {best['recipe']} (the study's answer) "
-                         "or give --critical-batch")
+                         f"worse): no critical batch for it; choose plan.recipe={best['recipe']} (the study's "
+                         "answer) or give plan.critical_batch=B")
 
     def says(e: dict[str, Any]) -> str:
         gpus = f"up to {e['world_size']} GPUs, " if e.get("world_size") else ""
         return f"{gpus}global batch {e['global_batch']:,}"
 
     why = f"the study's answer for {name}: {says(entry)}"
-    why += (", the recipe of the --from-result run" if from_run else "")
+    why += (", the recipe of the plan.from_result run" if from_run else "")
     if name == best["recipe"]:
         why += ", its best recipe"
     else:
-        why += f"; its best recipe, {best['recipe']}: {says(best)} (--recipe {best['recipe']})"
+        why += f"; its best recipe, {best['recipe']}: {says(best)} (plan.recipe={best['recipe']})"
     return StudyBatch(float(entry["global_batch"]), name, entry.get("world_size"), why)
 
 
 def model_split(model: Target, shape: DataShape, name: str) -> DenseSplit:
-    """`dense_split` of a model (lbt plan's --model or a result's) on a batch of the data's shape."""
+    """`dense_split` of a model (the planned run's or a result's) on a batch of the data's shape."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         net = build_model(model, shape.input_shape, shape.num_classes)
@@ -346,5 +355,4 @@ def model_split(model: Target, shape: DataShape, name: str) -> DenseSplit:
         return dense_split(net, example)
     except RuntimeError as error:
         raise ValueError(f"{name} cannot take inputs of shape {shape.input_shape} "
-                         f"({str(error).splitlines()[0]}): choose the data it is meant for, or give --input-shape") \
-            from None
+                         f"({str(error).splitlines()[0]}): choose the data it is meant for (data=NAME)") from None

@@ -1,4 +1,4 @@
-"""What `lbt plan` prints and draws: the table over W (data parallelism) and the split table (--tensor-parallel)."""
+"""What `lbt plan` prints and draws: the table over W (data parallelism) and the split table (plan.tensor_parallel)."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def summarize(rows: list[ScalingRow], critical_batch: float | None, critical_why
     b = rows[0].global_batch // rows[0].workers
     if not usable:
         return [f"no W fits the data: even one worker's batch b={b} exceeds N, the training samples per epoch "
-                "(lower --per-worker-batch)"]
+                "(lower trainer.per_worker_batch)"]
     best = min(usable, key=lambda r: r.epoch_s)
     lines = [f"fastest epoch: W={best.workers} ({_duration(best.epoch_s)}, {best.speedup:.1f}x W=1, "
              f"efficiency {best.efficiency:.0%})"]

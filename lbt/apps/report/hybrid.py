@@ -109,7 +109,7 @@ def hybrid_lines(points: list[dict[str, Any]], split: str, metric: Metric, given
              "dist.max_global_batch=CAP`, lbt/parallel/tensor_parallel.py) instead of growing the batch. Tensor "
              "parallelism does not change the math, so a W-GPU hybrid scores what the data-parallel run at W/T "
              "workers scored; the last column says which points were run as DP x T and which follow from exactness. "
-             "Whether the extra GPUs pay in time: `lbt plan --tensor-parallel auto`.", ""]
+             "Whether the extra GPUs pay in time: `lbt plan plan.tensor_parallel=auto`.", ""]
     rows = []
     for p in points:
         where = [p["recipe"], p["gpus"], f"{p['data_parallel']} x {p['tensor_parallel']}",
