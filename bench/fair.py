@@ -58,7 +58,8 @@ from pathlib import Path
 from typing import TextIO
 
 from lbt.apps.tune.finals import read_cell
-from lbt.apps.tune.report import bound_words, gaps_to_base, per_study_words, steps_to_target
+from lbt.apps.tune.report import bound_words, gaps_to_base, per_study_words, reference_cell, steps_to_target
+from lbt.apps.tune.summary import parse_cell
 from lbt.spec.objective import ACC
 
 WORKLOADS = {
@@ -262,11 +263,10 @@ def folder_summary(folder: Path, target: float | None) -> dict:
     cells = []
     for path in sorted((folder / "cells").glob("*.json")):
         try:
-            cells.append(read_cell(path)[0])
+            cells.append(parse_cell(read_cell(path)[0]))
         except (OSError, ValueError):
             continue  # being written
-    gaps = gaps_to_base(cells)
-    return {"gaps": gaps, "steps_to_target": steps_to_target(cells, ACC, target, gaps.get("reference"))}
+    return {"gaps": gaps_to_base(cells), "steps_to_target": steps_to_target(cells, ACC, target, reference_cell(cells))}
 
 
 def by_batch(cells: list[dict]) -> tuple[list[str], list[int], dict[tuple[str, int], dict]]:
@@ -315,9 +315,9 @@ def fits_table(summary: dict) -> str:
                    if cell["series"] == fit["series"] and cell["median"] is not None]
         fitted = fit["b_crit"] is not None
         rows.append([fit["series"], f"{fit['b_crit']:,.0f}" if fitted else f"n/a: {fit.get('note', '')}",
-                     per_study_words(fit), f"{fit['s_min']:.1f}" if fitted else "n/a",
+                     per_study_words(fit["per_study_b_crit"]), f"{fit['s_min']:.1f}" if fitted else "n/a",
                      f"{fit['rel_rms']:.3f}" if fitted else "n/a", ", ".join(f"{b:,}" for b in fit["batches"]),
-                     bound_words(fit), f"{max(reached):,}" if reached else "none"])
+                     bound_words(fit["bound_at"]), f"{max(reached):,}" if reached else "none"])
     return table(["recipe", "fitted critical batch", "per study", "S_min (steps)", "relative rms", "batches fitted",
                   "held at a missed budget", "largest batch reaching the target (median)"], rows)
 

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from lbt.apps.tune.report import bound_words, steps_fit
+from lbt.apps.tune.summary import StepsRow
 
 
 def read(folder: Path) -> tuple[float, str, list[dict]]:
@@ -70,14 +71,14 @@ def main(argv: list[str] | None = None) -> None:
     for series, by_batch in sorted(points.items()):
         batches = sorted(by_batch)
         shown = ", ".join(f"{b:,}: {by_batch[b][0]:,.0f} ({by_batch[b][1]})" for b in batches)
-        fit = steps_fit(series, [{"global_batch": b, "median": by_batch[b][0]} for b in batches]  # fair.py's fit
-                        + [{"global_batch": b, "median": None, "budget": n} for b, n in missed.get(series, {}).items()])
+        fit = steps_fit(series, [StepsRow(global_batch=b, median=by_batch[b][0]) for b in batches]  # fair.py's fit
+                        + [StepsRow(global_batch=b, median=None, budget=n) for b, n in missed.get(series, {}).items()])
         found[series] = fit["b_crit"]
         if fit["b_crit"] is None:
             print(f"| {series} | {shown} | n/a: {fit['note']} | | | |")
         else:
             print(f"| {series} | {shown} | {fit['b_crit']:,.0f} | {fit['s_min']:.1f} | {fit['rel_rms']:.3f} | "
-                  f"{bound_words(fit)} |")
+                  f"{bound_words(fit['bound_at'])} |")
     print()
     for series, b_crit in found.items():
         print(f"critical_batch_{series}={'n/a' if b_crit is None else f'{b_crit:.0f}'}")

@@ -106,6 +106,7 @@ def test_tune_minimises_a_loss():
 
     from lbt.apps.tune.grid import Settings, TuneGrid
     from lbt.apps.tune.report import gap_lines, gaps_to_base
+    from lbt.apps.tune.summary import Gaps, parse_cell
     from lbt.apps.tune.trials import PruneOnVal, open_study
 
     class Trial:
@@ -139,11 +140,15 @@ def test_tune_minimises_a_loss():
     with pytest.raises(ConfigError, match="minimized their value, and tune.metric=acc tune.objective=final maximizes"):
         open_study(storage, grid, Cell())
 
-    cells = [{"cell": f"b{b}", "series": "baseline", "global_batch": b,
-              "tuned": {"val_mean_std": [val, 0.0], "test_mean_std": [test, 0.0]}}
-             for b, val, test in [(64, 2.0, 2.02), (1024, 2.2, 2.25), (1024, 2.1, 2.12)]]
-    cells[2]["series"] = "lamb"
+    def finals(val: float | None, test: float | None) -> dict:
+        return {"seeds": [1], "val_mean_std": val and [val, 0.0], "test_mean_std": test and [test, 0.0], "diverged": 0}
+
+    cells = [parse_cell({"cell": f"b{b}", "series": series, "metric": "loss", "global_batch": b, "world_size": b // 64,
+                         "scaling": "none", "trials": {"counted": 1, "pruned": 0, "diverged": 0}, "best": None,
+                         "tuned": finals(val, test), "default": finals(None, None)})
+             for series, b, val, test in [("baseline", 64, 2.0, 2.02), ("baseline", 1024, 2.2, 2.25),
+                                          ("lamb", 1024, 2.1, 2.12)]]
     gaps = gaps_to_base(cells, LOSS)
     assert gaps["reference"]["test_loss"] == 2.02
     assert gaps["batches"][0]["best_series"] == "lamb" and gaps["batches"][0]["best_gap"] == pytest.approx(0.10)
-    assert "| 1,024 | 16 | lamb | +0.1000 |" in "\n".join(gap_lines(gaps, ["baseline", "lamb"], LOSS))
+    assert "| 1,024 | 16 | lamb | +0.1000 |" in "\n".join(gap_lines(Gaps.from_json(gaps), ["baseline", "lamb"], LOSS))

@@ -16,6 +16,7 @@ from lbt.apps import cli
 from lbt.apps.tune.command import tune
 from lbt.apps.tune.grid import check_space
 from lbt.apps.tune.report import claimed_exponent, fit_exponent, steps_fit
+from lbt.apps.tune.summary import StepsRow
 from lbt.apps.tune.trials import PruneOnVal
 from lbt.errors import ConfigError
 from lbt.spec.batching import BatchLayout
@@ -390,7 +391,8 @@ def test_fair_tables_put_one_recipe_per_column(monkeypatch):
     cells = [_steps_cell("base", b, [100 * (1 + crit / b) for crit in (500, 1000, 2000)]) for b in (64, 256, 1024)]
     cells += [_steps_cell("base", 4096, [None, 100 * (1 + 1000 / 4096), None]),
               _steps_cell("lars", 1024, [259.3, 245.0, None])]
-    fits = [steps_fit(recipe, [cell for cell in cells if cell["series"] == recipe]) for recipe in ("base", "lars")]
+    fits = [steps_fit(recipe, [StepsRow(**cell) for cell in cells if cell["series"] == recipe])
+            for recipe in ("base", "lars")]
     summary = {"steps_to_target": {"target": 0.98383, "target_from": "base at 64 less 1 point", "cells": cells,
                                    "fits": fits},
                "gaps": {"reference": {"series": "base", "global_batch": 64, "test_acc": 0.99257},
@@ -444,11 +446,17 @@ def test_a_chance_level_tuned_cell_is_warned_of_and_left_out_of_the_lr_fit():
     """`lbt tune` reported a chance-level "tuned" result (9.6% beside 72.5% untuned) and fitted an LR exponent
     from it, without a warning."""
     from lbt.apps.tune.report import lr_fit, tuning_failed
+    from lbt.apps.tune.summary import TunedCell, parse_cell
 
-    def cell(batch: int, lr: float, tuned: float, untuned: float) -> dict:
-        return {"series": "baseline", "global_batch": batch, "scaling": "none",
-                "best": {"diverged": False, "peak_lr": lr, "base_lr": lr},
-                "tuned": {"val_mean_std": [tuned, 0.0]}, "default": {"val_mean_std": [untuned, 0.0]}}
+    def cell(batch: int, lr: float, tuned: float, untuned: float) -> TunedCell:
+        def finals(val: float) -> dict:
+            return {"seeds": [1], "val_mean_std": [val, 0.0], "test_mean_std": None, "diverged": 0}
+
+        return parse_cell({"cell": f"b{batch}", "series": "baseline", "global_batch": batch, "world_size": batch // 64,
+                           "scaling": "none", "trials": {"counted": 1, "pruned": 0, "diverged": 0},
+                           "best": {"trial": 0, "val_acc": tuned, "params": {}, "diverged": False, "peak_lr": lr,
+                                    "base_lr": lr},
+                           "tuned": finals(tuned), "default": finals(untuned)})
 
     good = [cell(64, 0.1, 0.90, 0.88), cell(256, 0.2, 0.89, 0.87), cell(1024, 0.4, 0.85, 0.85)]
     failed = cell(4096, 30.0, 0.096, 0.725)

@@ -12,6 +12,7 @@ from lbt.apps import cli
 from lbt.apps.tune.command import tune
 from lbt.apps.tune.finals import median_search
 from lbt.apps.tune.report import fewest_steps, per_study_words, steps_fit
+from lbt.apps.tune.summary import StepsRow
 from lbt.errors import ConfigError
 from lbt.metrics.critical import crossing_step
 from lbt.spec.objective import ACC, LOSS
@@ -187,8 +188,8 @@ def test_the_median_study_and_fewest_steps():
 
 
 def test_steps_fit_recovers_the_critical_batch_and_says_why_not():
-    rows = [{"global_batch": b, "median": 100 * (1 + 512 / b)} for b in (64, 256, 1024, 4096)]
-    fit = steps_fit("muon", rows + [{"global_batch": 8192, "median": None}])  # a missed cell is left out
+    rows = [StepsRow(global_batch=b, median=100 * (1 + 512 / b)) for b in (64, 256, 1024, 4096)]
+    fit = steps_fit("muon", rows + [StepsRow(global_batch=8192, median=None)])  # a missed cell is left out
     assert fit["b_crit"] == pytest.approx(512) and fit["s_min"] == pytest.approx(100)
     assert fit["batches"] == [64, 256, 1024, 4096]
     assert "at least 3 distinct batches" in steps_fit("lars", rows[:2])["note"]
@@ -198,12 +199,11 @@ def test_steps_fit_is_held_above_the_budget_of_a_batch_that_missed():
     """A cell whose median missed the target in its budget bounds the curve there: a budget below the curve's
     steps (106 at 8,192) is consistent and changes nothing; one above it (a budget of 150 did not suffice)
     holds the fit at 150, which lowers the critical batch. Each study is held at the cells it missed."""
-    rows = [{"global_batch": b, "median": 100 * (1 + 512 / b), "per_study": [100 * (1 + 512 / b)]}
+    rows = [StepsRow(global_batch=b, median=100 * (1 + 512 / b), per_study=(100 * (1 + 512 / b),))
             for b in (64, 256, 1024, 4096)]
-    missed = {"global_batch": 8192, "median": None, "per_study": [None]}
-    free = steps_fit("muon", [*rows, {**missed, "budget": 90.0}])
+    free = steps_fit("muon", [*rows, StepsRow(global_batch=8192, median=None, per_study=(None,), budget=90.0)])
     assert free["b_crit"] == pytest.approx(512) and free["bound_at"] == []
-    held = steps_fit("muon", [*rows, {**missed, "budget": 150.0}])
+    held = steps_fit("muon", [*rows, StepsRow(global_batch=8192, median=None, per_study=(None,), budget=150.0)])
     assert held["bound_at"] == [8192] and held["s_min"] * (1 + held["b_crit"] / 8192) == pytest.approx(150)
     assert held["b_crit"] < 400 and held["per_study_b_crit"] == pytest.approx([held["b_crit"]])
 
@@ -213,12 +213,12 @@ def test_steps_fit_fits_each_study_alone_for_its_spread():
     batches = (64, 256, 1024, 4096)
     curves = [[100 * (1 + 512 / b) for b in batches], [80 * (1 + 2048 / b) for b in batches],
               [120 * (1 + 512 / 64), 90 * (1 + 512 / 256), None, None]]
-    rows = [{"global_batch": b, "per_study": [curve[i] for curve in curves],
-             "median": sorted((curve[i] for curve in curves), key=lambda s: s or math.inf)[1]}
+    rows = [StepsRow(global_batch=b, per_study=tuple(curve[i] for curve in curves),
+                     median=sorted((curve[i] for curve in curves), key=lambda s: s or math.inf)[1])
             for i, b in enumerate(batches)]
     fit = steps_fit("muon", rows)
     assert fit["per_study_b_crit"][:2] == pytest.approx([512, 2048]) and fit["per_study_b_crit"][2] is None
-    assert per_study_words(fit) == "512, 2,048, n/a"
+    assert per_study_words(fit["per_study_b_crit"]) == "512, 2,048, n/a"
     assert fit["b_crit"] is not None  # the medians' fit stands beside them
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from lbt.apps.errors import fail, raise_if_stopped
+from lbt.apps.judging import within
 from lbt.apps.probe.plan import ProbePlan
 from lbt.apps.probe.settings import ProbeSettings
 from lbt.apps.train import train_command
@@ -82,7 +83,7 @@ def summary(plan: ProbePlan, settings: ProbeSettings, factor: int, top: bool, re
         mean = mean_value(values, k, metric)
         seeds = [values[(k, s)] for s in range(SEEDS) if (k, s) in values]
         rows.append({"global_batch": plan.batch(k), "values": seeds, "mean": mean,
-                     "holds": shortfall(mean, reference, metric) <= settings.within})
+                     "holds": within(shortfall(mean, reference, metric), settings.within)})
     trained = [r for key, r in results.items() if key != (1, 0)]
     samples = sum(r.samples_seen for r in trained)
     batch = plan.batch(factor)

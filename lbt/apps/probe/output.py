@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from lbt.apps.judging import tolerance_floor, within
 from lbt.apps.plotting import batch_axis, figure, save_figure
 from lbt.apps.tables import table
 from lbt.apps.words import gpus
@@ -72,7 +73,7 @@ def plot_branches(path: Path, probe: dict[str, Any]) -> None:
         ones = [b for b in branches if b["factor"] == 1]
         ax.plot([b["global_batch"] for b in branches], [b["value"] * metric.scale for b in branches], "o", ms=4)
         if ones and point.get("reference") is not None:
-            edge = metric.worse_by(point["reference"], probe["settings"]["tolerance"]) * metric.scale
+            edge = tolerance_floor(point["reference"], probe["settings"]["tolerance"], metric) * metric.scale
             values = [b["value"] * metric.scale for b in branches]
             beyond = max(values) if metric.higher_is_better else min(values)
             ax.axhspan(min(edge, beyond), max(edge, beyond), color="C2", alpha=0.15)
@@ -127,7 +128,7 @@ def markdown(probe: dict[str, Any]) -> str:
     rows = []
     for batch, p in probe["prediction"].items():
         shortfall = "diverged" if p["diverged"] else f"{p['shortfall']:.3g}"
-        holds = not p["diverged"] and p["shortfall"] is not None and p["shortfall"] <= settings["tolerance"]
+        holds = not p["diverged"] and within(p["shortfall"], settings["tolerance"])
         rows.append([f"{int(batch):,}", f"{p['samples_ratio']:.3g}", f"{p['effective_samples']:,.0f}", shortfall,
                      "yes" if holds else "no"])
     lines += table(["global batch", "samples ratio r", "effective samples E / r", "predicted shortfall", "holds"],

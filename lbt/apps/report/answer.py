@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from lbt.apps.judging import critical_bracket, holds, tolerance_floor
 from lbt.apps.plan.compute import compute_from_result, compute_from_step_ms
 from lbt.apps.report.jobs import Job, is_baseline
 from lbt.apps.report.rows import Row, char_level, shown, study_split
@@ -44,7 +45,7 @@ def gpu_answer(rows: list[Row], tolerance: float, metric: Metric = ACC) -> dict[
     smallest = min(r.global_batch for r in scored)
     at_smallest = [r for r in scored if r.global_batch == smallest]
     reference = ([r for r in at_smallest if is_baseline(r.recipe)] or at_smallest)[0]
-    floor = metric.worse_by(reference.final(metric), tolerance)  # the worst value still within the tolerance
+    floor = tolerance_floor(reference.final(metric), tolerance, metric)
     recipes = [recipe_answer([r for r in tried if r.recipe == recipe], floor, metric)
                for recipe in sorted({r.recipe for r in scored})]
     ranked = [r for r in recipes if r["global_batch"]]
@@ -65,9 +66,11 @@ def recipe_answer(rows: list[Row], floor: float, metric: Metric) -> dict[str, An
     (its value None where every seed there diverged or failed)."""
     m = metric.name
     mine = sorted(rows, key=lambda r: r.global_batch)
-    within = [r for r in mine if metric.reached(r.final(metric), floor) and not r.diverged]
-    top = within[-1] if within else None
-    beyond = next((r for r in mine if top and r.global_batch > top.global_batch), None)
+    at = {r.global_batch: r for r in mine}
+    bracket = critical_bracket({r.global_batch: holds(r.final(metric), floor, metric) and not r.diverged
+                                for r in mine})
+    top = None if bracket.held is None else at[bracket.held]
+    beyond = None if bracket.failed is None else at[bracket.failed]
     return {
         "recipe": mine[0].recipe, "global_batch": top and top.global_batch, "world_size": top and top.world_size,
         m: top and top.final(metric), f"{m}_std": top and top.final_std(metric), "seeds": top and top.seeds,
@@ -88,7 +91,7 @@ def time_to_accuracy(rows: list[Row], answer: dict[str, Any], jobs: list[Job], n
     options: list[dict[str, Any]] = []
     for r in rows:
         if r.split != answer["split"] or r.steps_to_target is None or r.diverged or floor is None \
-                or not metric.reached(r.final(metric), floor):
+                or not holds(r.final(metric), floor, metric):
             continue
         step_s = scaling_rows(compute, NETWORKS[network], [r.world_size], 1)[0].step_s
         options.append({"recipe": r.recipe, "world_size": r.world_size, "global_batch": r.global_batch,

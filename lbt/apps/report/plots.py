@@ -21,6 +21,7 @@ from typing import Any
 
 from matplotlib import colormaps
 
+from lbt.apps.judging import tolerance_floor
 from lbt.apps.plotting import batch_axis, figure, save_figure
 from lbt.apps.report.jobs import Job, is_baseline
 from lbt.apps.report.rows import B_SIMPLE, GNS_WINDOW, Row, study_split
@@ -99,7 +100,7 @@ def draw_selection_panel(ax: Any, rows: list[Row], answer: dict[str, Any] | None
     reference, tolerance = (answer or {}).get("reference"), (answer or {}).get("tolerance", metric.default_tolerance)
     if reference is not None:
         base = metric.scale * reference[metric.name]
-        floor = metric.scale * metric.worse_by(reference[metric.name], tolerance)
+        floor = metric.scale * tolerance_floor(reference[metric.name], tolerance, metric)
         low, high = zoom_limits(base, floor, values, 100.0 if metric.name == "acc" else None)
         ax.axhspan(min(base, floor), max(base, floor), color=REFERENCE, alpha=0.2, lw=0,
                    label=f"within {metric.units(tolerance)} of {reference['recipe']} at "

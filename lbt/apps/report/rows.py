@@ -13,6 +13,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from lbt.apps.judging import target_from
 from lbt.apps.report.jobs import Job, is_baseline
 from lbt.metrics.critical import b_simple_undefined, crossing_step, gns_summary, run_optimizer
 from lbt.metrics.spread import mean_std
@@ -115,7 +116,7 @@ def default_target(jobs: list[Job], metric: Metric = ACC) -> float | None:
     at_smallest = [job for job in trained if job.result.global_batch == smallest]
     baseline = [job for job in at_smallest if job.result.recipe == "baseline"] or at_smallest
     value, _ = mean_std([job.final(metric) for job in baseline])
-    return metric.worse_by(value, metric.target_margin) if math.isfinite(value) else None
+    return target_from(value, metric)
 
 
 def one_per_seed(jobs: list[Job]) -> list[Job]:

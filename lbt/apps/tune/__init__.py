@@ -33,7 +33,8 @@ or several `lbt tune` commands on one tune.dir) share the trials of every cell: 
     <tune.dir>/tune_report.md, tune_summary.json, best_lr_vs_batch.png, steps_to_target.png
 
 grid.py reads the command line into cells, trials.py runs a cell's trials, finals.py its final runs,
-report.py writes the report, storage.py opens the trials' storage, workers.py is each worker's loop;
+report.py writes the report (summary.py: the typed shapes of the cells' and the report's JSON files),
+storage.py opens the trials' storage, workers.py is each worker's loop;
 command.py ties them together. Optuna is optional (`lbt[tune]`), so it is
 imported only once `lbt tune` is asked for.
 """
