@@ -238,3 +238,32 @@ def test_gpu_bench_says_there_is_no_gpu_and_exits_0(capsys, monkeypatch):
     assert gpu.main([]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "bench/gpu.py: no CUDA GPU on this machine; nothing measured (it compares lbt with a plain loop on a GPU)"]
+
+
+def _gpu_bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "bench"))
+    return importlib.import_module("gpu")
+
+
+def test_gpu_bench_all_says_no_cuda_in_one_line_and_exits_0(capsys, monkeypatch):
+    gpu = _gpu_bench(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu.main(["--all"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["no_cuda"]
+
+
+def test_gpu_bench_names_lbts_gpu_preset_from_the_device_name(monkeypatch):
+    gpu = _gpu_bench(monkeypatch)
+    assert gpu.gpu_preset("NVIDIA H200") == "h200"
+    assert gpu.gpu_preset("NVIDIA A100-SXM4-80GB") == "a100" and gpu.gpu_preset("NVIDIA H100 80GB HBM3") == "h100"
+    assert gpu.gpu_preset("NVIDIA L4") == "l4" and gpu.gpu_preset("NVIDIA L40S") == "l40s"
+    assert gpu.gpu_preset("AMD Instinct MI300X") == "mi300x" and gpu.gpu_preset("NVIDIA GeForce RTX 4090") is None
+
+
+def test_gpu_bench_reads_the_suites_counts_finished_or_cut(monkeypatch):
+    gpu = _gpu_bench(monkeypatch)
+    finished = ("........F.s [ 50%]\n....E [100%]\n=== short test summary info ===\n"
+                "FAILED tests/test_a.py::test_one - AssertionError\nERROR tests/test_b.py::test_two\n"
+                "= 12 passed, 1 failed, 1 skipped, 1 error in 3.21s =\n")
+    assert gpu.suite_counts(finished) == (12, 2, ["tests/test_a.py::test_one", "tests/test_b.py::test_two"])
+    assert gpu.suite_counts("bringing up nodes...\n..F..E.s [ 40%]\n...F") == (8, 3, [])

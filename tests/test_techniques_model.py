@@ -11,7 +11,7 @@ from torch import nn
 
 from lbt.errors import ConfigError
 from lbt.models import MLP, CNN1d, ResNet20
-from lbt.nn import GhostBatchNorm, ghost_batch_norm
+from lbt.nn import GhostBatchNorm
 from lbt.techniques.base import Progress
 from lbt.techniques.comm_compression import KINDS, CommCompression, compressed_bytes
 from lbt.techniques.ghost_bn import GhostBN
@@ -118,93 +118,7 @@ def test_label_smoothing_hook_returns_smoothed_cross_entropy():
         LabelSmoothing(eps=1.0)
 
 
-# -- ghost_bn -----------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("shape, virtual_batch", [((8, 3, 4, 4), 2), ((8, 3, 4, 4), 4), ((6, 5), 3), ((6, 2, 7), 2)])
-def test_ghost_batch_norm_is_batch_norm_per_chunk(shape, virtual_batch):
-    torch.manual_seed(0)
-    x = torch.randn(shape, dtype=torch.float64) * 3 + 1
-    c = shape[1]
-    weight, bias = torch.randn(c, dtype=torch.float64), torch.randn(c, dtype=torch.float64)
-    mean, var = torch.randn(c, dtype=torch.float64), torch.rand(c, dtype=torch.float64) + 0.5
-    ghost_mean, ghost_var = mean.clone(), var.clone()
-    out = ghost_batch_norm(x, virtual_batch, weight, bias, 1e-5, ghost_mean, ghost_var, momentum=0.1)
-
-    chunk_outs, chunk_means, chunk_vars = [], [], []
-    for chunk in x.split(virtual_batch):
-        m, v = mean.clone(), var.clone()  # each chunk updates its own copy: one simulated worker each
-        chunk_outs.append(F.batch_norm(chunk, m, v, weight, bias, True, 0.1, 1e-5))
-        chunk_means.append(m)
-        chunk_vars.append(v)
-    torch.testing.assert_close(out, torch.cat(chunk_outs))
-    torch.testing.assert_close(ghost_mean, torch.stack(chunk_means).mean(0))
-    torch.testing.assert_close(ghost_var, torch.stack(chunk_vars).mean(0))
-    # Equivalently: one EMA step towards the chunks' mean statistics (unbiased variance per chunk).
-    dims = [0] + list(range(2, len(shape)))
-    stats = [(ch.mean(dims), ch.var(dims, unbiased=True)) for ch in x.split(virtual_batch)]
-    torch.testing.assert_close(ghost_mean, 0.9 * mean + 0.1 * torch.stack([s[0] for s in stats]).mean(0))
-    torch.testing.assert_close(ghost_var, 0.9 * var + 0.1 * torch.stack([s[1] for s in stats]).mean(0))
-
-
-def test_ghost_batch_norm_keeps_channels_last_and_equals_each_workers_batch_norm():
-    """trainer.channels_last: the fused pass's BN output stays channels_last (an NCHW output
-    would cost each convolution after it a layout change on the GPU), and equals, bit for bit, each worker's own
-    BN on its channels_last chunk, as real workers compute it; the gradient matches too."""
-    torch.manual_seed(0)
-    x = (torch.randn(16, 6, 5, 3) * 3 + 1).contiguous(memory_format=torch.channels_last)
-    weight, bias = torch.randn(6), torch.randn(6)
-    mean, var = torch.randn(6), torch.rand(6) + 0.5
-    ghost_mean, ghost_var = mean.clone(), var.clone()
-    fused = x.clone().requires_grad_()
-    out = ghost_batch_norm(fused, 4, weight, bias, 1e-5, ghost_mean, ghost_var, momentum=0.1)
-    assert out.is_contiguous(memory_format=torch.channels_last) and not out.is_contiguous()
-    per_worker, chunk_outs, chunk_means, chunk_vars = x.clone().requires_grad_(), [], [], []
-    for chunk in per_worker.split(4):
-        m, v = mean.clone(), var.clone()
-        chunk_outs.append(F.batch_norm(chunk, m, v, weight, bias, True, 0.1, 1e-5))
-        chunk_means.append(m)
-        chunk_vars.append(v)
-    assert torch.equal(out, torch.cat(chunk_outs))
-    torch.testing.assert_close(ghost_mean, torch.stack(chunk_means).mean(0))
-    torch.testing.assert_close(ghost_var, torch.stack(chunk_vars).mean(0))
-    out.pow(2).sum().backward()
-    torch.cat(chunk_outs).pow(2).sum().backward()
-    torch.testing.assert_close(fused.grad, per_worker.grad)
-
-
-@pytest.mark.parametrize("bn_class, shape", [(nn.BatchNorm2d, (8, 3, 4, 4)), (nn.BatchNorm1d, (8, 3)),
-                                             (nn.BatchNorm1d, (8, 3, 5))])
-@pytest.mark.parametrize("momentum", [0.1, None])
-def test_ghost_batch_norm_with_the_whole_batch_is_batch_norm(bn_class, shape, momentum):
-    torch.manual_seed(0)
-    bn = bn_class(shape[1], momentum=momentum)
-    with torch.no_grad():
-        bn.weight.uniform_(0.5, 1.5)
-        bn.bias.uniform_(-0.5, 0.5)
-    ghost = GhostBatchNorm.from_batchnorm(copy.deepcopy(bn), virtual_batch=shape[0])
-    for step in range(2):  # two steps: the running-stat updates compound
-        x = torch.randn(shape) * 2 + step
-        x_bn, x_ghost = x.clone().requires_grad_(), x.clone().requires_grad_()
-        out_bn, out_ghost = bn(x_bn), ghost(x_ghost)
-        grad_out = torch.randn(shape)
-        (out_bn * grad_out).sum().backward()
-        (out_ghost * grad_out).sum().backward()
-        torch.testing.assert_close(out_ghost, out_bn, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(x_ghost.grad, x_bn.grad, rtol=1e-6, atol=1e-6)
-    for name, value in bn.state_dict().items():
-        torch.testing.assert_close(ghost.state_dict()[name], value, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(ghost.weight.grad, bn.weight.grad, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(ghost.bias.grad, bn.bias.grad, rtol=1e-6, atol=1e-6)
-    x = torch.randn(shape)
-    torch.testing.assert_close(ghost.eval()(x), bn.eval()(x), rtol=1e-6, atol=1e-6)
-
-
-def test_ghost_batch_norm_rejects_a_batch_it_does_not_divide():
-    ghost = GhostBatchNorm(3, virtual_batch=4)
-    with pytest.raises(ConfigError, match=r"virtual_batch=4 does not divide the batch of 6 samples"):
-        ghost(torch.randn(6, 3))
-    ghost.eval()(torch.randn(6, 3))  # evaluation uses running stats: any batch
+# -- ghost_bn (the layer itself: tests/test_batchnorm.py) ---------------------------------------------------
 
 
 def test_ghost_bn_hook_swaps_every_batchnorm_keeping_tensors_and_state_dict():

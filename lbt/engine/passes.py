@@ -16,11 +16,11 @@ dist.fuse_workers=true runs all k workers as one pass, false one pass per
 worker, and auto (the default) groups them into passes of about PASS_SAMPLES
 samples for a BatchNorm model on CPU (`workers_per_pass`): such a pass stays in
 cache, while a pass of thousands does not and a pass of 32 pays Python's
-per-pass overhead; and a fused pass of a BatchNorm model copies every BN
-activation twice (ghost_batch_norm's fold, and again in the backward).
-A model without BatchNorm runs as one pass (nothing to copy), and so does every
+per-pass overhead. A model without BatchNorm runs as one pass, and so does every
 model on CUDA, where small passes leave the GPU idle between kernels.
-bench/results/2026-11-23-simulation.md has the measurements behind the rule.
+bench/results/2026-11-23-simulation.md has the measurements behind the rule;
+bench/results/2026-12-03-batchnorm-cpu.md measured it again once the fused
+pass's per-worker BatchNorm stopped copying the batch (lbt/nn/batchnorm.py).
 
 Simulated workers share one module, so their BatchNorm running statistics are
 kept apart per pass and averaged per step (`BufferMean`).
