@@ -19,10 +19,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from matplotlib import colormaps
-
 from lbt.apps.judging import tolerance_floor
-from lbt.apps.plotting import batch_axis, figure, save_figure
+from lbt.apps.plotting import batch_axis, colormap, figure, save_figure
 from lbt.apps.report.jobs import Job, is_baseline
 from lbt.apps.report.rows import B_SIMPLE, GNS_WINDOW, Row, study_split
 from lbt.metrics.critical import b_simple_undefined, run_optimizer
@@ -218,7 +216,7 @@ def plot_gns(jobs: list[Job], crit: dict[str, Any], path: Path) -> None:
     for job in drawn:  # one series: its lines are batches, coloured small (dark) to large (light), not recipes
         curve = job.result.technique_curves[B_SIMPLE]
         ax.plot([p[0] for p in curve], [p[1] for p in curve], marker=".",
-                color=colormaps["viridis"](0.85 * batches.index(job.result.global_batch) / max(len(batches) - 1, 1)),
+                color=colormap("viridis")(0.85 * batches.index(job.result.global_batch) / max(len(batches) - 1, 1)),
                 label=f"B={job.result.global_batch:,} seed {job.result.seed or 0}")
     ax.set_xlabel("samples seen")
     ax.set_ylabel("gradient noise scale B_simple")
