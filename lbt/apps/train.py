@@ -48,8 +48,9 @@ def hydra_flags() -> argparse.ArgumentParser:
     return parser
 
 
-def precheck(overrides: list[str], config_dir: str | None = None, config_name: str = "config") -> None:
-    """Compose the config as Hydra will and check it, before Hydra's own reporting.
+def precheck(overrides: list[str], config_dir: str | None = None, config_name: str = "config") -> Composed | None:
+    """Compose the config as Hydra will and check it, before Hydra's own reporting; the job's composed config
+    when there is one job (None for a sweep), which `--cfg job` prints without composing it again.
 
     Hydra prints composition errors over several lines with a hint about HYDRA_FULL_ERROR; composing
     here first turns them into one line. In a sweep every job is composed, so `recipe=goyal,baseline`
@@ -84,6 +85,7 @@ def precheck(overrides: list[str], config_dir: str | None = None, config_name: s
             check_run_folder(make_spec(composed.config, composed.recipe), str(folders["hydra.run.dir"]))
     except ConfigError as error:
         fail(str(error))
+    return composed if len(jobs) == 1 else None
 
 
 def checked_jobs(parsed: list) -> list[list[str]]:
@@ -145,17 +147,17 @@ def train_command(args: list[str], report_failures: bool = True) -> None:
         overrides = first_job(overrides)
         print(f"lbt: note: --cfg shows the sweep's first job ({' '.join(overrides)})", file=sys.stderr)
         options.multirun = False
-    env = pg.torchrun_env()
+    env, checked = pg.torchrun_env(), None
     if (env["rank"] if env else 0) == 0:
         if not options.config_path:
-            precheck(overrides, options.config_dir, options.config_name or "config")
+            checked = precheck(overrides, options.config_dir, options.config_name or "config")
     else:
         # Only torchrun's rank 0 owns the run folder: the others must not create folders or log files
         # of their own (see lbt.engine.worker._agree_on_run_dir).
         overrides += ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=disabled",
                       "hydra/hydra_logging=disabled"]
     if options.cfg == "job" and not options.package and not options.config_path:
-        print_job_config(overrides, options.config_dir, options.config_name or "config")
+        print_job_config(overrides, options.config_dir, options.config_name or "config", checked)
         return
     sweep_dir = next((o.split("=", 1)[1] for o in overrides if o.startswith("hydra.sweep.dir=")), None)
     if options.multirun and not options.cfg and sweep_dir is None:
@@ -202,12 +204,15 @@ def hydra_raises(sweep_dir: str | None) -> Iterator[None]:
             os.environ["HYDRA_FULL_ERROR"] = saved
 
 
-def print_job_config(overrides: list[str], config_dir: str | None, config_name: str) -> None:
+def print_job_config(overrides: list[str], config_dir: str | None, config_name: str,
+                     composed: Composed | None = None) -> None:
     """`--cfg job`: the job's config, resolved, with the values lbt derives (both batch sizes, world size and
-    processes) filled in where the config leaves them null."""
+    processes) filled in where the config leaves them null. `composed`: the job's config as `precheck`
+    composed it (the same overrides less Hydra's own), else it is composed here."""
     hydra_free = [o for o in overrides if not o.startswith(("hydra.", "hydra/"))]
     try:
-        composed = compose(hydra_free, config_dir, config_name, job_name="lbt_cfg")
+        if composed is None:
+            composed = compose(hydra_free, config_dir, config_name, job_name="lbt_cfg")
         layout = make_spec(composed.config, composed.recipe).layout
     except ConfigError as error:
         fail(str(error))
