@@ -1,6 +1,6 @@
 # Two commands on a fresh machine: `make run` (the main job) and `make test` (what CI runs: lint, types, every test).
 # `make test-fast` is the edit loop: lint and the tests that start no process and train only a few steps
-# (tests/conftest.py holds every test not marked slow to that).
+# (tests/conftest.py holds every test not marked slow to that), the docs' commands left to `make test`.
 # Each checkout has its own venv (.venv/, git-ignored), its dependencies reinstalled when
 # pyproject.toml changes: a venv shared between clones ran whichever clone last set it up.
 PYTHON ?= python3

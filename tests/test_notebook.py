@@ -2,15 +2,16 @@
 
 from pathlib import Path
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "study_analysis.ipynb"
 
 
 @pytest.mark.slow
 def test_study_notebook_executes(tmp_path):
+    import nbformat  # here, not at collection: with jsonschema, a third of a second of every test worker's start
+    from nbclient import NotebookClient
+
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     client = NotebookClient(notebook, timeout=600, kernel_name="python3",
                             resources={"metadata": {"path": str(tmp_path)}})

@@ -36,8 +36,6 @@ LAMB vs timm.optim.Lamb
 import pytest
 import torch
 import torch.nn.functional as F
-from timm.optim import Lamb as TimmLamb
-from timm.optim import Lars as TimmLars
 from torch import nn
 
 from lbt.errors import ConfigError
@@ -216,6 +214,8 @@ LARS_CASES = {
 @pytest.mark.parametrize("foreach", [False, True])
 @pytest.mark.parametrize("case", LARS_CASES)
 def test_lars_matches_timm(case, foreach):
+    from timm.optim import Lars as TimmLars  # here: timm (and the torchvision it loads) costs a second to import
+
     ours_kw, timm_kw, wd, exclude = LARS_CASES[case]
     common = dict(lr=0.5, momentum=0.9, weight_decay=wd, eps=1e-8)
     ours_kw = common | dict(trust_coefficient=1e-3) | ours_kw
@@ -249,6 +249,8 @@ LAMB_CASES = {
 @pytest.mark.parametrize("foreach", [False, True])
 @pytest.mark.parametrize("case", LAMB_CASES)
 def test_lamb_matches_timm(case, foreach):
+    from timm.optim import Lamb as TimmLamb
+
     ours_kw, timm_kw, wd, exclude = LAMB_CASES[case]
     ours_kw = dict(lr=0.01, weight_decay=wd) | ours_kw
     timm_kw = dict(lr=0.01, weight_decay=wd, max_grad_norm=None, foreach=foreach) | timm_kw

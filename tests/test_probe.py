@@ -171,13 +171,13 @@ def test_a_snapshot_damaged_or_cut_off_is_refused_by_its_checksum(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_probe_stopped_among_its_branches_exits_with_the_signals_code(tmp_path, sig, capfd, monkeypatch):
+def test_a_probe_stopped_among_its_branches_exits_with_the_signals_code(tmp_path, capfd, monkeypatch):
     """Told to stop once its branches started: the signal's code (not a config mistake's exit 2) and the command
-    that continues it; the same command then finishes the probe."""
+    that continues it; the same command then finishes the probe. SIGTERM here; Ctrl-C (SIGINT) stops the
+    confirmed probe and the base run below, and one handler takes both (lbt/stop.py)."""
     args = ["probe", *SHORT_PROBE, f"probe.dir={tmp_path / 'probe'}"]
-    code, _, err = signal_after_line(args, tmp_path, r"^probe: \d+ branch\(es\) at 2x", sig)
-    assert code == 128 + sig and "Traceback" not in err, (code, err)
+    code, _, err = signal_after_line(args, tmp_path, r"^probe: \d+ branch\(es\) at 2x", signal.SIGTERM)
+    assert code == 143 and "Traceback" not in err, (code, err)
     said = f"lbt: probe stopped; finished runs are kept. Continue with: lbt {' '.join(args)}"
     assert err.strip().splitlines()[-1] == said
     monkeypatch.chdir(tmp_path)
@@ -429,7 +429,7 @@ def test_a_continued_probe_estimates_what_is_left(tmp_path):
 
 def test_the_timed_rate_leaves_out_the_first_steps(monkeypatch):
     """The probe's and study's time estimates came from 20 steps whose first ones pay for start-up: "about
-    8.7 h at 103 samples/s" for a 21-minute probe. A first step of 2 s must not change the rate."""
+    8.7 h at 103 samples/s" for a 21-minute probe. A first step of 1 s must not change the rate."""
     import time
 
     import lbt.apps.estimate as estimate
@@ -440,9 +440,9 @@ def test_the_timed_rate_leaves_out_the_first_steps(monkeypatch):
 
     def first_step_slow(self, model, progress):
         if not self.times:
-            time.sleep(2.0)
+            time.sleep(1.0)
         slow_start(self, model, progress)
 
     monkeypatch.setattr(estimate.StepClock, "after_backward", first_step_slow)
     rate = estimate.timed_rate(spec)
-    assert rate > 20 * 32 / 2.0 * 3  # the whole run's rate, 2 s of start-up in it, would be at most 320/s
+    assert rate > 20 * 32 / 1.0 * 3  # the whole run's rate, 1 s of start-up in it, would be at most 640/s

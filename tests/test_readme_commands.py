@@ -1,12 +1,12 @@
 """Every `lbt` command in the command blocks of README.md and docs/*.md works, in a short form: no drift.
 
-train and study commands are composed and checked as they would run (`--cfg job`: the same one-line
-checks of every job, nothing trained); tune commands lay out their grid (every cell composed and
-checked against the command, no trial run); probe commands run on tiny synthetic data; plan commands
-profile briefly; report commands read a small
-study. Placeholders (`runs/train/<time>`, a study folder) become folders made here. The own-model page's
-worked example runs for real in tests/test_own_model.py, and lines with `...` are fragments of the command
-above them. The README's links into docs/ (and the docs' links to each other) must lead somewhere.
+train, study and probe commands are composed and checked as they would run (`--cfg job`: the same one-line
+checks of every job and of the probe's settings, nothing trained; a probe's runs are tests/test_probe.py's);
+tune commands lay out their grid (every cell composed and checked against the command, no trial run); plan
+commands profile briefly; report commands read a small study. Placeholders (`runs/train/<time>`, a study
+folder) become folders made here. The own-model page's worked example runs for real in
+tests/test_own_model.py, and lines with `...` are fragments of the command above them. The README's links
+into docs/ (and the docs' links to each other) must lead somewhere.
 """
 
 import math
@@ -106,15 +106,8 @@ def short_form(command: str, places: dict, tmp_path: Path) -> list[str]:
     args = [re.sub(r"runs/train/<time>/result\.json", str(places["result"]), a) for a in args]
     args = [re.sub(r"runs/(study|multirun)/[^ ]+", str(places["study"]), a) for a in args]
     kind = args[0]
-    if kind in ("train", "study") and not any(a.startswith("--cfg") for a in args):
+    if kind in ("train", "study", "probe") and not any(a.startswith("--cfg") for a in args):
         return args + ["--cfg", "job"]
-    if kind == "probe":  # a tiny probe on synthetic data (the command's own settings kept where it gives them)
-        tiny = ["data=synthetic", "model=mlp", "trainer.per_worker_batch=8", "trainer.epochs=4", "trainer.device=cpu",
-                "trainer.progress=false", "probe.max_factor=4", "probe.checkpoints=2", "probe.seeds=2",
-                f"probe.dir={tmp_path / 'probe'}"]
-        given = {a.split("=", 1)[0] for a in args[1:]}
-        return args + [a for a in tiny if a.split("=", 1)[0] not in given and not a.startswith("probe.dir")] + \
-            [a for a in tiny if a.startswith("probe.dir") and "probe.dir" not in given]
     if kind == "plan":  # a brief profile at a small per-worker batch, unless the command reads a run's time
         given = {a.split("=", 1)[0] for a in args[1:]}
         brief = {"plan.repeats": "1", "plan.max_workers": "8", "plan.out": str(tmp_path / "plan.png")}
@@ -153,10 +146,10 @@ def check_tune_grid(args: list[str]) -> None:
             assert f"{key}={value}" in grid.fixed, key
 
 
-# A probe trains (a base run and its branches, tiny as they are): the slow lane's.
-@pytest.mark.parametrize("command", [pytest.param(c, id=f"{page}: {c}",
-                                                  marks=[pytest.mark.slow] if c.split()[1] == "probe" else [])
-                                     for c, page in COMMANDS.items()])
+# Sixty commands, each composed (a sweep's or a tune grid's every job) or run briefly: a minute of the fast lane's
+# budget, so they run with the slow tests.
+@pytest.mark.slow
+@pytest.mark.parametrize("command", [pytest.param(c, id=f"{page}: {c}") for c, page in COMMANDS.items()])
 def test_documented_command(command, placeholders, tmp_path, monkeypatch, capsys):
     """In this process (`lbt.apps.cli.main`, as `lbt` runs it), from an empty folder."""
     from lbt.apps.cli import main
@@ -174,7 +167,9 @@ def test_documented_command(command, placeholders, tmp_path, monkeypatch, capsys
     out, err = capsys.readouterr()
     assert code == 0, f"{' '.join(args)}\n{err[-2000:]}"
     assert "Traceback" not in err
-    if args[0] in ("train", "study"):
+    if args[0] in ("train", "study", "probe"):
         assert "dist:" in out or "hydra:" in out  # a composed config was printed
+    if args[0] == "probe":
+        assert out.startswith("probe:")  # the probe's own settings, above its base run's
     if args[0] == "report":
         assert "## How many GPUs?" in out

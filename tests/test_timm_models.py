@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 import pytest
@@ -12,7 +13,8 @@ from lbt.apps.plan.cli import plan_main
 from lbt.errors import ConfigError
 from lbt.models import timm_model
 
-pytest.importorskip("timm")
+# timm is a dev dependency (pyproject.toml); found, not imported, at collection: it costs a second to import.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("timm") is None, reason="timm is not installed")
 
 # A small timm ResNet (4.9M parameters) on 32x32 synthetic images: a forward pass costs milliseconds.
 IMAGES = ["data=synthetic", "data.input_shape=[3,32,32]", "data.num_train=64", "data.num_test=32"]
