@@ -50,10 +50,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 # -- the fast lane ----------------------------------------------------------------------------------
 # `make test-fast` (-m "not slow") is every test that starts no process and trains no more than a few steps, its
-# fixtures included, but the docs' commands (tests/test_readme_commands.py, marked slow for their minute). The rule is checked, not trusted: a test not marked slow that starts a process or whose runs
-# take more steps fails, whether the work is in its body or in a fixture it uses (a module fixture that trains
-# counts for each test that uses it, whichever test set it up). Steps are the training loop's (Trainer.fit):
-# an optimizer's unit test on a toy problem trains no model.
+# fixtures included, but the docs' commands (tests/test_readme_commands.py, marked slow for their minute). The
+# rule is checked, not trusted: a test not marked slow that starts a process or whose runs take more steps fails,
+# whether the work is in its body or in a fixture it uses (a module fixture that trains counts for each test that
+# uses it, whichever test set it up). Steps are the training loop's (Trainer.fit): an optimizer's unit test on a
+# toy problem trains no model.
 FAST_LANE_STEPS = 32
 
 

@@ -220,7 +220,10 @@ def test_a_study_without_a_validation_split_names_test(tmp_path):
 def test_lbt_study_runs_its_extra_grid_into_the_same_report(tmp_path):
     out = tmp_path / "study"
     # The command line's sweep replaces the study's grid; the extra grid adds seeds 1 and 2.
+    # Hydra's basic launcher runs the jobs in the command's process (the study's own, joblib, is in
+    # test_study_stop_continue.py and test_tensor_parallel.py): a start of two worker processes less.
     run = lbt_cli(["study", *TINY, "recipe=baseline", "dist.world_size=1,2", 'extra_sweeps.seeds=["trainer.seed=1,2"]',
+                   "hydra/launcher=basic",
                    f"hydra.sweep.dir={out}"], tmp_path, timeout=600)
     assert run.returncode == 0, run.stderr
     assert f"report: {out}/report.md" in run.stdout
