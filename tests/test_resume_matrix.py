@@ -118,9 +118,9 @@ def real_phases(tmp_path_factory) -> Path:
     cases = {name: CASES[name] for name in CASES if on_real_processes(name)
              and not (name == "powersgd" and torch.cuda.is_available())} | {"epoch_end": EPOCH_END}
     stopped = {name: FAST + RUN + overrides + sigterm_at(stop_at) for name, (overrides, stop_at) in cases.items()}
-    train_on_processes(2, [(root / name / "straight", FAST + RUN + overrides)
-                           for name, (overrides, _) in cases.items()])
-    train_on_processes(2, [(root / name / "run", args) for name, args in stopped.items()])
+    # The straight runs and the stopped ones on one start of the two processes (a stop ends its run, not them).
+    train_on_processes(2, [(root / name / "straight", FAST + RUN + overrides) for name, (overrides, _) in cases.items()]
+                       + [(root / name / "run", args) for name, args in stopped.items()])
     for name in cases:  # what the stop left, before the resume adds to it
         (root / name / "stopped.log").write_text((root / name / "run" / "train.log").read_text())
         (root / name / "stopped.json").write_text((root / name / "run" / "checkpoint" / "latest.json").read_text())

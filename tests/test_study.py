@@ -4,7 +4,7 @@ import json
 import math
 
 import pytest
-from conftest import lbt_cli, names_val
+from conftest import names_val
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_cli_errors import run_main, run_main_io
 
@@ -217,16 +217,17 @@ def test_a_study_without_a_validation_split_names_test(tmp_path):
 
 
 @pytest.mark.slow
-def test_lbt_study_runs_its_extra_grid_into_the_same_report(tmp_path):
+def test_lbt_study_runs_its_extra_grid_into_the_same_report(tmp_path, capfd, monkeypatch):
     out = tmp_path / "study"
-    # The command line's sweep replaces the study's grid; the extra grid adds seeds 1 and 2.
-    # Hydra's basic launcher runs the jobs in the command's process (the study's own, joblib, is in
-    # test_study_stop_continue.py and test_tensor_parallel.py): a start of two worker processes less.
-    run = lbt_cli(["study", *TINY, "recipe=baseline", "dist.world_size=1,2", 'extra_sweeps.seeds=["trainer.seed=1,2"]',
-                   "hydra/launcher=basic",
-                   f"hydra.sweep.dir={out}"], tmp_path, timeout=600)
-    assert run.returncode == 0, run.stderr
-    assert f"report: {out}/report.md" in run.stdout
+    # The command line's sweep replaces the study's grid; the extra grid adds seeds 1 and 2. In this process, on
+    # Hydra's basic launcher (the jobs in the command's process; the study's own, joblib, is in
+    # test_study_stop_continue.py and test_tensor_parallel.py): no interpreter starts.
+    monkeypatch.chdir(tmp_path)
+    code, stdout, err = run_main_io(["study", *TINY, "recipe=baseline", "dist.world_size=1,2",
+                                     'extra_sweeps.seeds=["trainer.seed=1,2"]', "hydra/launcher=basic",
+                                     f"hydra.sweep.dir={out}"], capfd)
+    assert code == 0, err
+    assert f"report: {out}/report.md" in stdout
     rows = {r["global_batch"]: r for r in json.loads((out / "summary.json").read_text())["rows"]}
     assert set(rows) == {32, 64} and rows[32]["seeds"] == rows[64]["seeds"] == 3  # seed 0 here, 1 and 2 in seeds/
     assert len([p for p in (out / "seeds").iterdir() if (p / "result.json").exists()]) == 4
