@@ -54,8 +54,7 @@ override_sets = st.lists(
 )
 
 
-@settings(max_examples=30, deadline=60_000, suppress_health_check=[HealthCheck.too_slow,
-                                                                       HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @pytest.mark.slow
 @given(override_sets)
 def test_generated_overrides_run_or_fail_in_one_line(tmp_path_factory, capfd, overrides):
