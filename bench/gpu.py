@@ -27,9 +27,18 @@ configuration); then bench/batchnorm.py's BN layer alone in bf16 (per-chunk, the
 eagerly, W=1); (b) the step `lbt plan plan.gpu=PRESET` predicts (lbt.apps.plan.compute.gpu_compute: FLOPs over
 the preset's bf16 peak at the default utilisation; the preset is read from the GPU's name) against lbt's
 measured forward+backward at W=1, with the utilisation measured; (c) `python -m pytest -q -n 8`, the whole
-suite, in the time left (cut, and said so, when it runs out). Its last line is
-`gpu_sim_ratio=R plan_gpu_error=E gpu_suite_failures=N`: R the worse eager W=8 / W=1 of the two models, E the
-worse |relative error| of (b), N the suite's failures and errors (-1: not run). Without CUDA: `no_cuda`, exit 0.
+suite, in the time left (cut, and said so, when it runs out; LBT_SKIP_POSTGRES=1 where no PostgreSQL is
+installed). Its last line is `gpu_sim_ratio=R plan_gpu_error=E gpu_suite_failures=N`: R the worse eager
+W=8 / W=1 of the two models, E the worse |relative error| of (b), N the suite's failures and errors (-1: not
+run). Without CUDA: `no_cuda`, exit 0.
+
+On an offline GPU machine whose image has PyTorch but not lbt's other dependencies, carry them as wheels
+(bench/offline_wheels.py, run where pip reaches an index), and install them and the checkout into the
+Python that has PyTorch (the suite's tests run `python -m lbt` from other folders, and one installs lbt):
+    python bench/offline_wheels.py .whl --python 3.12 --have their-packages.txt                # here
+    python3 -m pip install -q --no-index --no-deps .whl/*.whl &&                               # there
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . &&
+    PYTHONUNBUFFERED=1 python3 bench/gpu.py --all
 """
 
 from __future__ import annotations
@@ -37,9 +46,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import glob
 import io
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -174,7 +185,7 @@ def print_variants(rows: list[str]) -> None:
 ALL_BUDGET_S = 470  # the whole of --all; the suite (c) gets what (a) and (b) leave of it
 COMPILE_LEAVES_S = 300  # compile a model only with this much of the budget left (the suite takes ~4-5 minutes)
 T = TypeVar("T")
-SUITE = ["-m", "pytest", "-q", "-n", "8", "-p", "no:cacheprovider"]
+SUITE = ["-m", "pytest", "-q", "-n", "8", "--dist", "loadfile", "-p", "no:cacheprovider"]
 
 
 def sync(device: torch.device) -> None:
@@ -262,8 +273,13 @@ def suite_counts(output: str) -> tuple[int, int, list[str]]:
 def run_suite(seconds: float) -> tuple[int, int, list[str], bool, str]:
     """The whole test suite with 8 xdist workers, cut after `seconds` (the process group killed): counts,
     failed ids, whether it finished, and the end of its output."""
+    env = dict(os.environ)
+    if not (shutil.which("pg_ctl") or glob.glob("/usr/lib/postgresql/*/bin/pg_ctl")):
+        # A GPU machine seldom has PostgreSQL, and the tuning storage tests are not about the GPU.
+        print("no PostgreSQL here: the suite runs with LBT_SKIP_POSTGRES=1 (tests/test_tune_storage.py)", flush=True)
+        env["LBT_SKIP_POSTGRES"] = "1"
     job = subprocess.Popen([sys.executable, *SUITE], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, start_new_session=True)
+                           text=True, start_new_session=True, env=env)
     try:
         output, finished = job.communicate(timeout=max(seconds, 1))[0], True
     except subprocess.TimeoutExpired:
