@@ -77,6 +77,12 @@ def run_lbt_subprocess(overrides: list[str], timeout: float = 900) -> RunResult:
         return read_result(path)
 
 
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work, so a timer read after it counts that work (a CPU runs in order)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 

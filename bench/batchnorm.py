@@ -37,7 +37,7 @@ from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
-from _common import LoadWatch, describe_machine, headline, interleaved, median, pair_ratios, timed_run
+from _common import LoadWatch, describe_machine, headline, interleaved, median, pair_ratios, sync, timed_run
 from torch.autograd import DeviceType
 
 import lbt.nn.batchnorm as lbt_batchnorm
@@ -109,11 +109,6 @@ def implementation(fn: Callable) -> Iterator[None]:
 
 
 # -- (i) the BN layer alone --------------------------------------------------------------------------------
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def layer_timer(fn: Callable, virtual_batch: int, x: torch.Tensor, grad: torch.Tensor, iters: int) -> Callable:
     """A contender: seconds per forward+backward of `fn` on x (BN parameters and running stats of its channels),
     the mean over `iters` calls after one unmeasured call."""

@@ -59,13 +59,13 @@ import time
 from typing import Callable, TypeVar
 
 import torch
-from _common import REPO, build_data, build_model, compose, headline, interleaved, median, pair_ratios, spread
+from _common import REPO, build_data, build_model, compose, headline, interleaved, median, pair_ratios, spread, sync
 
 from lbt.cost.gpu import DEFAULT_UTILIZATION, GPUS
 from lbt.engine import make_spec, run
 from lbt.engine.build import build_model as engine_model
 from lbt.engine.build import data_shape
-from lbt.errors import ConfigError
+from lbt.errors import ConfigError, first_line
 from lbt.spec.targets import target_of
 
 NO_GPU = "bench/gpu.py: no CUDA GPU on this machine; nothing measured (it compares lbt with a plain loop on a GPU)"
@@ -188,11 +188,6 @@ T = TypeVar("T")
 SUITE = ["-m", "pytest", "-q", "-n", "8", "--dist", "loadfile", "-p", "no:cacheprovider"]
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def gpu_preset(device_name: str) -> str | None:
     """lbt's GPU preset (lbt/cost/gpu.py) named in torch.cuda.get_device_name(): "NVIDIA H200" -> "h200"."""
     for name in GPUS:
@@ -311,8 +306,7 @@ def attempt(label: str, fn: Callable[[], T]) -> T | None:
     try:
         return fn()
     except Exception as error:  # noqa: BLE001 - any failure of one part is reported, and the run goes on
-        print(f"{label}: FAILED: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
-              flush=True)
+        print(f"{label}: FAILED: {type(error).__name__}: {first_line(error)}", flush=True)
         return None
 
 

@@ -18,7 +18,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, Literal, Optional, Union
+from typing import Any, List, Literal, Optional, TypeVar, Union
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
@@ -32,8 +32,10 @@ from lbt.errors import ConfigError, closest
 from lbt.spec.lr import ScheduleSpec
 from lbt.spec.run import DistSpec, TrainerSpec
 from lbt.spec.targets import keyword_names
+from lbt.spec.validate import one_of
 
 PLAIN_TYPES = (int, float, str, bool)
+S = TypeVar("S")  # a command's settings dataclass
 # Added keys nothing checks: Hydra's own, and the marks `lbt tune` leaves in its final runs' configs.
 OPEN_SECTIONS = ("hydra.", "tune.")
 
@@ -75,6 +77,23 @@ def omegaconf_type(kind: Any) -> Any:
     if origin is tuple and args and args[0] in PLAIN_TYPES:
         return List[args[0]]  # type: ignore[valid-type]
     return Any
+
+
+def compose_settings(spec: type[S], key: str, overrides: list[str]) -> S:
+    """A command's own settings (`KEY.NAME=VALUE`, Hydra overrides of the `spec` dataclass; `lbt probe`'s, `lbt
+    plan`'s): the same types, errors and "did you mean" as any key of a run's config. Each Literal field is checked
+    to be one of its values here, since the schema holds it as a plain string."""
+    name = f"lbt_{key}_settings"
+    ConfigStore.instance().store(name=name, node={key: hydra_schema(spec)})
+    settings = spec(**compose(overrides, config_name=name, job_name=f"lbt_{key}").config[key])
+    hints = typing.get_type_hints(spec)
+    for field in dataclasses.fields(spec):  # type: ignore[arg-type]
+        kind, optional = hints[field.name], False
+        if typing.get_origin(kind) in (Union, types.UnionType):
+            optional, (kind,) = True, [a for a in typing.get_args(kind) if a is not type(None)]
+        if typing.get_origin(kind) is Literal:
+            one_of(f"{key}.{field.name}", getattr(settings, field.name), (*typing.get_args(kind), *[None] * optional))
+    return settings
 
 
 def register_schemas() -> None:

@@ -7,15 +7,14 @@ everything else is a setting of the plan's, a Hydra override of `PlanSettings` l
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from dataclasses import dataclass
-from typing import Literal, Union, get_args
+from typing import Literal
 
 from lbt.cost.gpu import DEFAULT_UTILIZATION
 from lbt.cost.tensor_parallel import tensor_parallel_options
 from lbt.errors import ConfigError
-from lbt.spec.validate import integer, number, one_of
+from lbt.spec.run import Device, Shard
+from lbt.spec.validate import integer, number
 
 # The presets' names, as lbt/cost's tables key them (tests/test_plan.py checks they agree).
 NetworkName = Literal["nvlink4", "nvlink", "ib-ndr", "400gbe", "ib-hdr", "100gbe", "ib-edr", "100g", "ib-fdr",
@@ -24,8 +23,6 @@ GpuName = Literal["v100", "a10", "l4", "l40s", "a100", "h100", "h200", "mi300x"]
 Precision = Literal["fp32", "tf32", "bf16", "fp16"]
 OptimizerName = Literal["sgd", "lars", "adamw", "adam", "lamb"]
 Compression = Literal["none", "fp16", "bf16"]
-Shard = Literal["none", "fsdp"]
-Device = Literal["auto", "cpu", "cuda"]
 
 MAX_STEP_MS = 10_000_000  # ms: a step of under 3 hours; larger ones overflowed the time arithmetic
 MAX_PER_WORKER_BATCH = 1 << 24  # samples per GPU; larger ones reached torch as C++ errors
@@ -64,7 +61,6 @@ class PlanSettings:
     out: str | None = None  # default: plan.png beside from_result or from_study, else runs/plan/plan.png
 
     def check(self) -> PlanSettings:
-        check_modes(self)
         self.check_numbers()
         self.check_together()
         return self
@@ -113,21 +109,6 @@ class PlanSettings:
                               "replicated workers; drop those")
 
 
-def check_modes(settings: PlanSettings) -> None:
-    """Each Literal setting is one of its values (Hydra's schema holds them as strings)."""
-    hints = typing.get_type_hints(PlanSettings)
-    for field in dataclasses.fields(PlanSettings):
-        kind, optional = hints[field.name], False
-        if typing.get_origin(kind) in (Union, types.UnionType):
-            optional, (kind,) = True, [a for a in get_args(kind) if a is not type(None)]
-        if typing.get_origin(kind) is Literal:
-            one_of(f"plan.{field.name}", getattr(settings, field.name), (*get_args(kind), *[None] * optional))
-
-
-# The plan's settings as a config of their own (`plan.KEY=VALUE` are Hydra overrides of it): the same types, errors
-# and "did you mean" as any key of a run's config, and `lbt plan --cfg job` shows them.
-SETTINGS_CONFIG = "lbt_plan_settings"
-
 # What lbt plan took as options before, and the key that says it now: lbt train's for the run, plan.* for the rest.
 RUN_KEYS = {"model": "model=NAME (your own class: model=custom model._target_=package.module.Class)",
             "data": "data=NAME", "dataset": "data.dataset=FUNCTION", "input_shape": "data.input_shape=[DIMS]",
@@ -143,16 +124,13 @@ PLAN_SAYS = {"dist.shard": "plan.shard=fsdp", "dist.tensor_parallel": "plan.tens
 
 def split_args(args: list[str]) -> tuple[PlanSettings, list[str]]:
     """(the plan's settings, the rest: `lbt train` overrides of the run it plans)."""
-    from hydra.core.config_store import ConfigStore
-
-    from lbt.apps.compose import compose, hydra_schema
+    from lbt.apps.compose import compose_settings
 
     for arg in args:
         refuse_old(arg)
     own = [a for a in args if a.lstrip("+~").startswith("plan.")]
-    ConfigStore.instance().store(name=SETTINGS_CONFIG, node={"plan": hydra_schema(PlanSettings)})
-    settings = PlanSettings(**compose(own, config_name=SETTINGS_CONFIG, job_name="lbt_plan").config["plan"])
-    return settings.check(), [a for a in args if a not in own]
+    # `lbt plan --cfg job` shows them beside the run's.
+    return compose_settings(PlanSettings, "plan", own).check(), [a for a in args if a not in own]
 
 
 def refuse_old(arg: str) -> None:

@@ -63,24 +63,16 @@ class ProbeSettings:
         return self
 
 
-# The probe's settings as a config of their own (`probe.KEY=VALUE` are Hydra overrides of it): the same
-# types, errors and "did you mean" as any key of a run's config, and `lbt probe --cfg job` shows them.
-SETTINGS_CONFIG = "lbt_probe_settings"
-
-
 def split_args(args: list[str]) -> tuple[ProbeSettings, list[str]]:
     """(the probe's settings, the rest: `lbt train` overrides and Hydra's launcher choice)."""
-    from hydra.core.config_store import ConfigStore
-
-    from lbt.apps.compose import compose, hydra_schema
+    from lbt.apps.compose import compose_settings
 
     args = config_dir_flag(args)
     own = [a for a in args if a.lstrip("+~").startswith("probe.")]
     for arg in own:  # before Hydra reads it: a comma would make it a sweep, a space or a non-ASCII letter a job's
         if arg.startswith("probe.dir="):  # command line Hydra cannot take back
             check_dir(arg.removeprefix("probe.dir="))
-    ConfigStore.instance().store(name=SETTINGS_CONFIG, node={"probe": hydra_schema(ProbeSettings)})
-    settings = ProbeSettings(**compose(own, config_name=SETTINGS_CONFIG).config["probe"])
+    settings = compose_settings(ProbeSettings, "probe", own)  # `lbt probe --cfg job` shows them
     if not settings.dir:
         settings = replace(settings, dir=f"runs/probe/{time.strftime('%Y-%m-%d_%H-%M-%S')}")
     return settings.check(), [a for a in args if a not in own]
